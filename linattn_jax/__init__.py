@@ -1,0 +1,22 @@
+"""linattn_jax: efficient attention mechanisms as pure JAX functions and Flax modules.
+
+    import linattn_jax as la
+    mech = la.get("performer").bind(num_features=256)
+    params = mech.init(rng, num_heads=H, head_dim=D)
+    out = mech.attention(q, k, v, params, rng, mask=None, causal=False, deterministic=False)
+
+Layout ``[B, T, H, D]`` everywhere. See `linattn_jax.registry.Mechanism`.
+"""
+
+from linattn_jax import core
+from linattn_jax.registry import Mechanism, causal_names, get, names, register
+
+# Importing a mechanism module registers it; the order is the order of `names()`.
+from linattn_jax import softmax  # noqa: E402, I001
+from linattn_jax import linear_elu  # noqa: E402
+from linattn_jax import performer  # noqa: E402
+from linattn_jax import rfa  # noqa: E402
+from linattn_jax import hedgehog  # noqa: E402
+
+__all__ = ["Mechanism", "causal_names", "core", "get", "names", "register"]
+__version__ = "0.1.0"

@@ -1,0 +1,87 @@
+"""Input validation shared by every mechanism. Everything here runs at trace time."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from linattn_jax.registry import causal_names
+
+
+def check_inputs(name: str, q, k, v, mask=None, *, causal: bool = False) -> None:
+    """Validates ``q [B, Tq, H, Dk]``, ``k [B, Tk, H, Dk]``, ``v [B, Tk, H, Dv]`` and ``mask``.
+
+    Raises:
+      ValueError: wrong rank, mismatched B/H/Dk/Tk, a bad mask shape or dtype, or
+        ``causal=True`` with ``Tq != Tk``; the message names the argument and shapes.
+      TypeError: a non-floating q, k or v.
+    """
+    for arg, x in (("q", q), ("k", k), ("v", v)):
+        if jnp.ndim(x) != 4:
+            raise ValueError(
+                f"{name}: {arg} must have rank 4 [batch, length, heads, depth], got shape "
+                f"{jnp.shape(x)}"
+            )
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            raise TypeError(f"{name}: {arg} must be a floating dtype, got {jnp.result_type(x)}")
+    (bq, tq, hq, dq), (bk, tk, hk, dk), (bv, tv, hv, _) = q.shape, k.shape, v.shape
+    if not bq == bk == bv:
+        raise ValueError(
+            f"{name}: batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape} (axis 0)"
+        )
+    if not hq == hk == hv:
+        raise ValueError(f"{name}: head counts differ: q {q.shape}, k {k.shape}, v {v.shape} (axis 2)")
+    if dq != dk:
+        raise ValueError(f"{name}: q and k depths differ: q {q.shape}, k {k.shape} (axis 3)")
+    if tk != tv:
+        raise ValueError(f"{name}: k and v lengths differ: k {k.shape}, v {v.shape} (axis 1)")
+    if mask is not None:
+        if jnp.shape(mask) != (bk, tk):
+            raise ValueError(
+                f"{name}: mask must be a key-padding mask [batch, Tk] = {(bk, tk)}, got shape "
+                f"{jnp.shape(mask)}"
+            )
+        if jnp.result_type(mask) != jnp.bool_:
+            raise TypeError(f"{name}: mask must be bool (True = attend), got {jnp.result_type(mask)}")
+    if causal and tq != tk:
+        raise ValueError(f"{name}: causal=True needs Tq == Tk, got q {q.shape}, k {k.shape}")
+
+
+def check_causal_supported(name: str, causal: bool) -> None:
+    """Raises NotImplementedError for ``causal=True`` on a mechanism without causal support."""
+    if causal:
+        raise NotImplementedError(
+            f"{name} does not support causal=True; causal mechanisms: {causal_names()}"
+        )
+
+
+def check_rng(name: str, rng, deterministic: bool) -> None:
+    """A sampling call (``deterministic=False``) needs an rng key."""
+    if not deterministic and rng is None:
+        raise ValueError(
+            f"{name}: rng is required when deterministic=False (the mechanism samples); "
+            "pass a jax.random.key or deterministic=True"
+        )
+
+
+def check_positive(name: str, **values) -> None:
+    """Each config value must be an int >= 1."""
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: {key} must be an int >= 1, got {value!r}")
+
+
+def check_choice(name: str, key: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: {key} must be one of {list(choices)}, got {value!r}")
+
+
+def check_params(name: str, params, expected: dict) -> None:
+    """Checks that ``params[key].shape == shape`` for each entry of `expected`."""
+    for key, shape in expected.items():
+        if key not in params:
+            raise ValueError(f"{name}: params is missing {key!r}; got keys {sorted(params)}")
+        if tuple(params[key].shape) != tuple(shape):
+            raise ValueError(
+                f"{name}: params[{key!r}] has shape {tuple(params[key].shape)}, expected "
+                f"{tuple(shape)} for these inputs"
+            )

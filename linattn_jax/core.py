@@ -1,0 +1,227 @@
+"""The shared linear-attention core.
+
+Every feature-map mechanism computes, per head,
+
+    out_i = phi(q_i)^T S / phi(q_i)^T z,   S = sum_j phi(k_j) v_j^T,  z = sum_j phi(k_j)
+
+with the sums over unmasked keys (and j <= i when causal). Feature maps give
+``phi_q: [B, Tq, H, M]`` and ``phi_k: [B, Tk, H, M]``; this module turns them
+into ``[B, Tq, H, Dv]`` outputs:
+
+* `linear_attention`: non-causal as two einsums, causal as chunked prefix sums
+  (quadratic inside a chunk, a `lax.scan` over chunk states across chunks),
+  with an optional per-token decay (the gated recurrence of RFA).
+* `quadratic_reference`: the naive masked quadratic form of the same features,
+  ``(phi(Q) phi(K)^T * tril) V / rowsum``: the oracle the fast paths are
+  tested against.
+
+Accumulation is float32 whatever the input dtype. Denominators are guarded by
+`guard_denominator`, so a query whose keys are all masked returns zeros.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+#: Denominators with ``|r| <= DENOMINATOR_EPS`` are pushed away from zero.
+DENOMINATOR_EPS = 1e-6
+
+_f32 = jnp.float32
+
+
+def guard_denominator(den, eps: float = DENOMINATOR_EPS):
+    """Pushes ``|den| <= eps`` away from zero: ``den + 2 eps sign(den)`` (sign(0) := +1).
+
+    This is the Performer sin/cos variant's guard: it leaves every well-scaled
+    denominator unchanged, works for features that can be negative (trigonometric
+    random features), and makes an all-zero row (every key masked) divide its
+    zero numerator by ``2 eps`` instead of 0.
+    """
+    sign = jnp.where(den < 0, -1.0, 1.0).astype(den.dtype)
+    return jnp.where(jnp.abs(den) <= eps, den + 2 * eps * sign, den)
+
+
+def masked_max(x, mask, axis):
+    """Max of `x` over `axis` ignoring masked entries; 0 where everything is masked.
+
+    `mask` broadcasts against `x`. Used for the detached stabilisers that cancel
+    in the attention ratio.
+    """
+    neg = jnp.where(mask, x, -jnp.inf)
+    m = jnp.max(neg, axis=axis, keepdims=True)
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def key_mask(mask, tk: int, batch: int):
+    """``[B, Tk]`` bool key mask (all True when `mask` is None)."""
+    if mask is None:
+        return jnp.ones((batch, tk), bool)
+    return mask
+
+
+def _apply_key_mask(phi_k, mask):
+    if mask is None:
+        return phi_k
+    return phi_k * mask[:, :, None, None].astype(phi_k.dtype)
+
+
+def linear_attention(
+    phi_q,
+    phi_k,
+    v,
+    *,
+    mask=None,
+    causal: bool = False,
+    chunk_size: int = 64,
+    log_decay=None,
+    eps: float = DENOMINATOR_EPS,
+):
+    """Normalised linear attention from feature maps.
+
+    Args:
+      phi_q: ``[B, Tq, H, M]`` query features.
+      phi_k: ``[B, Tk, H, M]`` key features.
+      v: ``[B, Tk, H, Dv]`` values.
+      mask: optional ``[B, Tk]`` bool key-padding mask (True = attend).
+      causal: position i attends to j <= i (needs Tq == Tk).
+      chunk_size: chunk length C of the causal form (any T; the tail is padded).
+      log_decay: optional ``[B, T, H]`` log of a per-token decay g_t in (0, 1]
+        (causal only): ``S_t = g_t S_{t-1} + phi(k_t) v_t^T``, likewise z.
+      eps: denominator guard, see `guard_denominator`.
+
+    Returns:
+      ``[B, Tq, H, Dv]`` float32.
+    """
+    phi_q, phi_k, v = phi_q.astype(_f32), phi_k.astype(_f32), v.astype(_f32)
+    phi_k = _apply_key_mask(phi_k, mask)
+    if not causal:
+        if log_decay is not None:
+            raise ValueError("linear_attention: log_decay needs causal=True")
+        kv = jnp.einsum("bthm,bthd->bhmd", phi_k, v)  # [B, H, M, Dv]
+        z = jnp.sum(phi_k, axis=1)  # [B, H, M]
+        num = jnp.einsum("bthm,bhmd->bthd", phi_q, kv)
+        den = jnp.einsum("bthm,bhm->bth", phi_q, z)
+        return num / guard_denominator(den, eps)[..., None]
+    return _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, eps)
+
+
+def _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, eps):
+    b, t, h, m = phi_q.shape
+    dv = v.shape[-1]
+    c = min(chunk_size, t)
+    n = -(-t // c)
+    pad = n * c - t
+    if log_decay is None:
+        log_decay = jnp.zeros((b, t, h), _f32)
+    log_decay = log_decay.astype(_f32)
+    if pad:
+        # Padded keys have zero features and zero decay; padded queries are dropped.
+        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+        phi_q, phi_k, v = (jnp.pad(x, widths) for x in (phi_q, phi_k, v))
+        log_decay = jnp.pad(log_decay, widths[:3])
+
+    def chunks(x):  # [B, n*c, ...] -> [n, B, c, ...]
+        return jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)
+
+    # Cumulative log-decay inside each chunk: G_t = sum_{l <= t} log g_l.
+    g = jnp.cumsum(chunks(log_decay), axis=2)  # [n, B, c, H]
+    tril = jnp.tril(jnp.ones((c, c), bool))
+
+    def step(carry, xs):
+        s, z = carry  # [B, H, M, Dv], [B, H, M]: state before this chunk
+        pq, pk, vc, gc = xs
+        # Intra-chunk weights exp(G_i - G_j) for j <= i (all <= 1).
+        diff = gc.transpose(0, 2, 1)[:, :, :, None] - gc.transpose(0, 2, 1)[:, :, None, :]
+        decay = jnp.where(tril, jnp.exp(jnp.where(tril, diff, 0.0)), 0.0)  # [B, H, c, c]
+        scores = jnp.einsum("bihm,bjhm->bhij", pq, pk) * decay
+        num = jnp.einsum("bhij,bjhd->bihd", scores, vc)
+        den = jnp.sum(scores, axis=-1).transpose(0, 2, 1)  # [B, c, H]
+        # Inter-chunk: the carried state decayed to position i by exp(G_i).
+        pq_dec = pq * jnp.exp(gc)[..., None]
+        num = num + jnp.einsum("bihm,bhmd->bihd", pq_dec, s)
+        den = den + jnp.einsum("bihm,bhm->bih", pq_dec, z)
+        out = num / guard_denominator(den, eps)[..., None]
+        # State after the chunk: old state decayed by exp(G_last), new keys by exp(G_last - G_j).
+        g_last = gc[:, -1]  # [B, H]
+        w = jnp.exp(g_last[:, None, :] - gc)[..., None]  # [B, c, H, 1]
+        s = s * jnp.exp(g_last)[..., None, None] + jnp.einsum("bjhm,bjhd->bhmd", pk * w, vc)
+        z = z * jnp.exp(g_last)[..., None] + jnp.sum(pk * w, axis=1)
+        return (s, z), out
+
+    init = (jnp.zeros((b, h, m, dv), _f32), jnp.zeros((b, h, m), _f32))
+    _, out = lax.scan(step, init, (chunks(phi_q), chunks(phi_k), chunks(v), g))
+    out = jnp.moveaxis(out, 0, 1).reshape(b, n * c, h, dv)
+    return out[:, :t]
+
+
+def quadratic_reference(
+    phi_q, phi_k, v, *, mask=None, causal: bool = False, log_decay=None, eps=DENOMINATOR_EPS
+):
+    """The naive quadratic form of `linear_attention`: materialises ``[B, H, Tq, Tk]``.
+
+    ``A = phi(Q) phi(K)^T`` (times ``tril`` and ``exp(G_i - G_j)`` when causal),
+    ``out = A V / guard(rowsum A)``. Same arguments and result as `linear_attention`.
+    """
+    phi_q, phi_k, v = phi_q.astype(_f32), phi_k.astype(_f32), v.astype(_f32)
+    phi_k = _apply_key_mask(phi_k, mask)
+    a = jnp.einsum("bihm,bjhm->bhij", phi_q, phi_k)
+    if causal:
+        t = a.shape[-1]
+        tril = jnp.tril(jnp.ones((t, t), bool))
+        if log_decay is not None:
+            g = jnp.cumsum(log_decay.astype(_f32), axis=1).transpose(0, 2, 1)  # [B, H, T]
+            diff = g[..., :, None] - g[..., None, :]
+            a = a * jnp.exp(jnp.where(tril, diff, 0.0))
+        a = jnp.where(tril, a, 0.0)
+    num = jnp.einsum("bhij,bjhd->bihd", a, v)
+    den = jnp.sum(a, axis=-1).transpose(0, 2, 1)
+    return num / guard_denominator(den, eps)[..., None]
+
+
+def attend(
+    phi_q, phi_k, v, dtype, *, mask=None, causal=False, chunk_size=64, log_decay=None,
+    quadratic=False,
+):
+    """`linear_attention` (or, with ``quadratic=True``, `quadratic_reference`) cast to `dtype`.
+
+    The one call every feature-map mechanism ends with, so its fast path and its
+    reference differ only in this flag.
+    """
+    if quadratic:
+        out = quadratic_reference(phi_q, phi_k, v, mask=mask, causal=causal, log_decay=log_decay)
+    else:
+        out = linear_attention(
+            phi_q, phi_k, v, mask=mask, causal=causal, chunk_size=chunk_size, log_decay=log_decay
+        )
+    return out.astype(dtype)
+
+
+def normalized_weights(phi_q, phi_k, *, mask=None, causal: bool = False, eps=DENOMINATOR_EPS):
+    """The effective attention weights ``A / rowsum A`` as ``[B, H, Tq, Tk]`` (for inspection,
+    plots and distillation; quadratic memory)."""
+    phi_q, phi_k = phi_q.astype(_f32), _apply_key_mask(phi_k.astype(_f32), mask)
+    a = jnp.einsum("bihm,bjhm->bhij", phi_q, phi_k)
+    if causal:
+        t = a.shape[-1]
+        a = jnp.where(jnp.tril(jnp.ones((t, t), bool)), a, 0.0)
+    return a / guard_denominator(jnp.sum(a, axis=-1, keepdims=True), eps)
+
+
+def scale_inputs(x):
+    """``x^ = x d^(-1/4)`` in float32, so ``exp(q^ . k^) = exp(q . k / sqrt(d))``."""
+    x = x.astype(_f32)
+    return x * x.shape[-1] ** -0.25
+
+
+__all__ = [
+    "DENOMINATOR_EPS",
+    "guard_denominator",
+    "masked_max",
+    "key_mask",
+    "linear_attention",
+    "quadratic_reference",
+    "attend",
+    "normalized_weights",
+    "scale_inputs",
+]

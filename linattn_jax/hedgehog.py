@@ -1,0 +1,70 @@
+"""Hedgehog: a learnable softmax feature map (Zhang et al. 2024).
+
+``phi(x) = [softmax(W x + b); softmax(-(W x + b))]`` over the feature axis, W
+``[H, d, d]`` per head initialised to the identity and b ``[H, d]`` to zero;
+2d positive features, then the shared linear-attention core.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from linattn_jax import _checks, core
+from linattn_jax.registry import Mechanism, register
+
+
+def init(rng, *, num_heads: int, head_dim: int):
+    """``{"w": [H, d, d] identity, "b": [H, d] zeros}``."""
+    del rng
+    eye = jnp.eye(head_dim, dtype=jnp.float32)
+    return {
+        "w": jnp.broadcast_to(eye, (num_heads, head_dim, head_dim)),
+        "b": jnp.zeros((num_heads, head_dim), jnp.float32),
+    }
+
+
+def feature_map(x, params):
+    """``[B, T, H, d] -> [B, T, H, 2d]`` float32, positive, each half summing to 1."""
+    a = jnp.einsum("bthd,hed->bthe", x.astype(jnp.float32), params["w"]) + params["b"]
+    return jnp.concatenate([jax.nn.softmax(a, axis=-1), jax.nn.softmax(-a, axis=-1)], axis=-1)
+
+
+def _attend(q, k, v, params, mask, causal, chunk_size, quadratic):
+    _checks.check_inputs("hedgehog", q, k, v, mask, causal=causal)
+    _checks.check_positive("hedgehog", chunk_size=chunk_size)
+    h, d = q.shape[2], q.shape[3]
+    _checks.check_params("hedgehog", params, {"w": (h, d, d), "b": (h, d)})
+    return core.attend(
+        feature_map(q, params), feature_map(k, params), v, q.dtype, mask=mask, causal=causal,
+        chunk_size=chunk_size, quadratic=quadratic,
+    )
+
+
+def attention(
+    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64
+):
+    """Hedgehog attention ``[B, Tq, H, Dv]``; `rng` and `deterministic` are unused."""
+    del rng, deterministic
+    return _attend(q, k, v, params, mask, causal, chunk_size, False)
+
+
+def reference(
+    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64
+):
+    """The naive quadratic form of `attention` (same features)."""
+    del rng, deterministic
+    return _attend(q, k, v, params, mask, causal, chunk_size, True)
+
+
+MECHANISM = register(
+    Mechanism(
+        name="hedgehog",
+        init_fn=init,
+        attention_fn=attention,
+        reference_fn=reference,
+        supports_causal=True,
+        stochastic=False,
+        description="learnable softmax feature map, W init identity (Zhang et al. 2024), O(T)",
+    )
+)

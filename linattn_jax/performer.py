@@ -1,0 +1,120 @@
+"""Performer: FAVOR+ positive orthogonal random features (Choromanski et al. 2021).
+
+``phi(x) = M^(-1/2) (exp(W x^ - |x^|^2 / 2 - c) + eps)`` with ``x^ = x d^(-1/4)``
+and W ``[M, d]`` stacked orthogonal blocks, so ``E[phi(q) . phi(k)] = exp(q.k /
+sqrt(d))`` (up to the cancelling stabiliser c and the small eps). c is a
+detached maximum: per token for queries, over all unmasked keys (and features)
+for keys; it cancels in the attention ratio.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from linattn_jax import _checks, core
+from linattn_jax.registry import Mechanism, register
+
+#: Added to every positive feature (FAVOR+ numerical stabiliser).
+FEATURE_EPS = 1e-6
+
+
+def orthogonal_features(rng, num_heads: int, num_features: int, head_dim: int):
+    """Orthogonal random features ``[H, M, d]`` (float32).
+
+    Each head stacks ``ceil(M / d)`` blocks of d orthonormal rows (QR of a
+    Gaussian d x d matrix), truncated to M rows; row i is then rescaled by the
+    norm of an independent ``N(0, I_d)`` vector, so each row is marginally
+    ``N(0, I_d)`` and rows within a block are exactly orthogonal.
+    """
+    n_blocks = -(-num_features // head_dim)
+    k_q, k_n = jax.random.split(rng)
+    g = jax.random.normal(k_q, (num_heads, n_blocks, head_dim, head_dim), jnp.float32)
+    qmat, _ = jnp.linalg.qr(g)  # columns orthonormal
+    rows = jnp.swapaxes(qmat, -1, -2).reshape(num_heads, n_blocks * head_dim, head_dim)
+    rows = rows[:, :num_features]
+    norms = jnp.linalg.norm(
+        jax.random.normal(k_n, (num_heads, num_features, head_dim), jnp.float32), axis=-1
+    )
+    return rows * norms[..., None]
+
+
+def init(rng, *, num_heads: int, head_dim: int, num_features: int = 256):
+    """``{"features": [H, M, d]}``: fixed orthogonal features for ``deterministic=True``."""
+    _checks.check_positive("performer", num_features=num_features)
+    return {"features": orthogonal_features(rng, num_heads, num_features, head_dim)}
+
+
+def feature_map(x, features, *, is_query: bool, mask=None):
+    """FAVOR+ features ``[B, T, H, d] -> [B, T, H, M]`` float32.
+
+    Args:
+      x: queries or keys (unscaled).
+      features: ``[H, M, d]`` random features W.
+      is_query: stabilise per token (queries) or over all unmasked keys (keys).
+      mask: ``[B, T]`` key mask, used for the key stabiliser only.
+    """
+    xh = core.scale_inputs(x)
+    wx = jnp.einsum("bthd,hmd->bthm", xh, features.astype(jnp.float32))
+    logits = wx - 0.5 * jnp.sum(xh * xh, axis=-1, keepdims=True)
+    if is_query:
+        c = jnp.max(logits, axis=-1, keepdims=True)
+    else:
+        valid = core.key_mask(mask, x.shape[1], x.shape[0])[:, :, None, None]
+        c = core.masked_max(logits, valid, axis=(1, 3))
+    m = features.shape[1]
+    return (jnp.exp(logits - lax.stop_gradient(c)) + FEATURE_EPS) * m**-0.5
+
+
+def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, quadratic):
+    _checks.check_inputs("performer", q, k, v, mask, causal=causal)
+    _checks.check_positive("performer", chunk_size=chunk_size)
+    _checks.check_rng("performer", rng, deterministic)
+    w = params["features"]
+    h, d = q.shape[2], q.shape[3]
+    if w.ndim != 3 or w.shape[0] != h or w.shape[2] != d:
+        raise ValueError(
+            f"performer: params['features'] has shape {w.shape}, expected [H={h}, M, d={d}]"
+        )
+    if not deterministic:  # redraw: a fresh draw of the same size per call
+        w = orthogonal_features(rng, h, w.shape[1], d)
+    w = lax.stop_gradient(w)
+    phi_q = feature_map(q, w, is_query=True)
+    phi_k = feature_map(k, w, is_query=False, mask=mask)
+    return core.attend(
+        phi_q, phi_k, v, q.dtype, mask=mask, causal=causal, chunk_size=chunk_size,
+        quadratic=quadratic,
+    )
+
+
+def attention(
+    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64
+):
+    """FAVOR+ attention ``[B, Tq, H, Dv]``.
+
+    ``deterministic=True`` uses ``params["features"]``; otherwise a fresh set of
+    orthogonal features (same M) is drawn from `rng` on every call.
+    """
+    return _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, False)
+
+
+def reference(
+    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64
+):
+    """The naive quadratic form of `attention` (same features)."""
+    return _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, True)
+
+
+MECHANISM = register(
+    Mechanism(
+        name="performer",
+        init_fn=init,
+        attention_fn=attention,
+        reference_fn=reference,
+        supports_causal=True,
+        stochastic=True,
+        fixed_fn=lambda: frozenset({"features"}),
+        description="FAVOR+ positive orthogonal random features (Choromanski et al. 2021), O(T)",
+    )
+)

@@ -1,0 +1,174 @@
+"""The mechanism registry: one `Mechanism` record per attention mechanism.
+
+A mechanism is a pair of pure functions written in its own module::
+
+    def init(rng, *, num_heads, head_dim, <config keys with defaults>) -> params
+    def attention(q, k, v, params, rng=None, *, mask=None, causal=False,
+                  deterministic=False, <config keys with defaults>) -> out
+
+The config keys a mechanism accepts are read off those two signatures (the
+keyword-only parameters other than the structural ones), so a default is
+written once, beside the code that uses it. `Mechanism.bind` fixes config
+values; `Mechanism.init` / `Mechanism.attention` validate the keys and forward
+to each function only the keys it declares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+# Keyword-only parameters that are part of the call protocol, not config.
+_STRUCTURAL = frozenset({"num_heads", "head_dim", "mask", "causal", "deterministic"})
+
+
+def _config_params(fn: Callable) -> dict[str, Any]:
+    """Keyword-only config parameters of `fn` and their defaults."""
+    out = {}
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind is p.KEYWORD_ONLY and p.name not in _STRUCTURAL:
+            out[p.name] = p.default
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Mechanism:
+    """An attention mechanism behind the uniform functional API.
+
+    Attributes:
+      name: registry name, e.g. ``"performer"``.
+      init_fn: ``init(rng, *, num_heads, head_dim, **config) -> params``.
+      attention_fn: ``attention(q, k, v, params, rng=None, *, mask, causal,
+        deterministic, **config) -> out`` with ``q: [B, Tq, H, Dk]``,
+        ``k: [B, Tk, H, Dk]``, ``v: [B, Tk, H, Dv]``, ``out: [B, Tq, H, Dv]``.
+      supports_causal: whether ``causal=True`` is implemented.
+      stochastic: whether ``deterministic=False`` samples (needs ``rng``).
+      fixed_fn: ``fixed(**config) -> frozenset`` of top-level param names that
+        are fixed random draws (non-trainable), e.g. performer's features.
+      config: the config values fixed by `bind`.
+      description: one line for tables.
+      reference_fn: the naive quadratic form of `attention_fn` (same signature and
+        the same features), the oracle its fast paths are tested against.
+    """
+
+    name: str
+    init_fn: Callable[..., Any]
+    attention_fn: Callable[..., Any]
+    supports_causal: bool
+    stochastic: bool
+    fixed_fn: Callable[..., frozenset] = lambda **_: frozenset()
+    config: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    description: str = ""
+    reference_fn: Callable[..., Any] | None = None
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """Every accepted config key with its default (bound values applied)."""
+        out = {**_config_params(self.init_fn), **_config_params(self.attention_fn)}
+        out.update(self.config)
+        return out
+
+    def _check_keys(self, config: Mapping[str, Any]) -> None:
+        accepted = set(_config_params(self.init_fn)) | set(_config_params(self.attention_fn))
+        unknown = sorted(set(config) - accepted)
+        if unknown:
+            raise TypeError(
+                f"mechanism {self.name!r} got unknown config key(s) {unknown}; "
+                f"accepted keys: {sorted(accepted)}"
+            )
+
+    def bind(self, **config) -> Mechanism:
+        """Returns this mechanism with `config` values fixed (later calls may override)."""
+        self._check_keys(config)
+        for key, value in config.items():
+            try:
+                hash(value)
+            except TypeError as e:
+                raise TypeError(
+                    f"mechanism {self.name!r}: config {key}={value!r} must be hashable "
+                    "(config is static under jit)"
+                ) from e
+        merged = MappingProxyType({**self.config, **config})
+        return dataclasses.replace(self, config=merged)
+
+    def _split(self, fn: Callable, config: Mapping[str, Any]) -> dict[str, Any]:
+        self._check_keys(config)
+        merged = {**self.config, **config}
+        wanted = _config_params(fn)
+        return {k: v for k, v in merged.items() if k in wanted}
+
+    def init(self, rng, *, num_heads: int, head_dim: int, **config):
+        """Creates the mechanism's params (a pytree, ``{}`` if none)."""
+        return self.init_fn(
+            rng, num_heads=num_heads, head_dim=head_dim, **self._split(self.init_fn, config)
+        )
+
+    def attention(
+        self, q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, **config
+    ):
+        """Runs the mechanism; see the class docstring for shapes."""
+        return self.attention_fn(
+            q,
+            k,
+            v,
+            params,
+            rng,
+            mask=mask,
+            causal=causal,
+            deterministic=deterministic,
+            **self._split(self.attention_fn, config),
+        )
+
+    def reference(
+        self, q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, **config
+    ):
+        """The naive quadratic reference of `attention` (same arguments)."""
+        if self.reference_fn is None:
+            raise NotImplementedError(f"mechanism {self.name!r} has no separate reference")
+        return self.reference_fn(
+            q,
+            k,
+            v,
+            params,
+            rng,
+            mask=mask,
+            causal=causal,
+            deterministic=deterministic,
+            **self._split(self.reference_fn, config),
+        )
+
+    def fixed_params(self, **config) -> frozenset:
+        """Top-level param names that are fixed random draws (non-trainable)."""
+        return frozenset(self.fixed_fn(**self._split(self.fixed_fn, config)))
+
+
+_REGISTRY: dict[str, Mechanism] = {}
+
+
+def register(mech: Mechanism) -> Mechanism:
+    """Adds `mech` to the registry (names must be unique)."""
+    if mech.name in _REGISTRY:
+        raise ValueError(f"mechanism {mech.name!r} is already registered")
+    _REGISTRY[mech.name] = mech
+    return mech
+
+
+def get(name: str) -> Mechanism:
+    """Looks up a mechanism by name."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown mechanism {name!r}; registered: {names()}") from None
+
+
+def names() -> list[str]:
+    """Registered mechanism names, in registration order."""
+    return list(_REGISTRY)
+
+
+def causal_names() -> list[str]:
+    """Names of the mechanisms that support ``causal=True``."""
+    return [n for n, m in _REGISTRY.items() if m.supports_causal]

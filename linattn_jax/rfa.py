@@ -1,0 +1,107 @@
+"""RFA: random feature attention with trigonometric features (Peng et al. 2021).
+
+Queries and keys are unit-normalised; ``W = sigma * W~`` with ``W~ ~ N(0, I)``
+fixed (``params["features"]``, redrawn from `rng` when not deterministic) and
+``sigma [H, d]`` learnable (init 1); ``phi(x) = M^(-1/2) [sin(W x); cos(W x)]``,
+so ``E[phi(q) . phi(k)] = exp(-|sigma * (q - k)|^2 / 2)``, a Gaussian kernel on
+the unit sphere (``exp(q.k - 1)`` at init). The features can be negative: the
+denominator is guarded (`core.guard_denominator`).
+
+Causal with ``gate=True``: ``g_t = sigmoid(w_g . k_t + b_g)`` per head and
+``S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T`` (likewise z), the gated
+recurrence of the RFA paper, computed by the chunked core as a decay.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from linattn_jax import _checks, core
+from linattn_jax.registry import Mechanism, register
+
+#: Initial gate bias: sigmoid(2) ~ 0.88, a memory of roughly 8 tokens at init.
+GATE_BIAS_INIT = 2.0
+
+
+def init(rng, *, num_heads: int, head_dim: int, num_features: int = 128):
+    """``features [H, M, d]`` (fixed draw), ``sigma [H, d]``, ``gate_w [H, d]``, ``gate_b [H]``."""
+    _checks.check_positive("rfa", num_features=num_features)
+    return {
+        "features": jax.random.normal(rng, (num_heads, num_features, head_dim), jnp.float32),
+        "sigma": jnp.ones((num_heads, head_dim), jnp.float32),
+        "gate_w": jnp.zeros((num_heads, head_dim), jnp.float32),
+        "gate_b": jnp.full((num_heads,), GATE_BIAS_INIT, jnp.float32),
+    }
+
+
+def _unit(x):
+    x = x.astype(jnp.float32)
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-6)
+
+
+def feature_map(x, params, features=None):
+    """``[B, T, H, d] -> [B, T, H, 2M]`` trig features of the unit-normalised x."""
+    w = params["features"] if features is None else features
+    w = lax.stop_gradient(w.astype(jnp.float32)) * params["sigma"][:, None, :]
+    wx = jnp.einsum("bthd,hmd->bthm", _unit(x), w)
+    return jnp.concatenate([jnp.sin(wx), jnp.cos(wx)], axis=-1) * w.shape[1] ** -0.5
+
+
+def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate, quadratic):
+    _checks.check_inputs("rfa", q, k, v, mask, causal=causal)
+    _checks.check_positive("rfa", chunk_size=chunk_size)
+    _checks.check_rng("rfa", rng, deterministic)
+    h, d = q.shape[2], q.shape[3]
+    m = params["features"].shape[1] if params["features"].ndim == 3 else -1
+    _checks.check_params(
+        "rfa", params, {"features": (h, m, d), "sigma": (h, d), "gate_w": (h, d), "gate_b": (h,)}
+    )
+    if gate and not causal:
+        raise ValueError("rfa: gate=True is the causal recurrence; it needs causal=True")
+    features = None
+    if not deterministic:
+        features = jax.random.normal(rng, (h, m, d), jnp.float32)
+    phi_q = feature_map(q, params, features)
+    phi_k = feature_map(k, params, features)
+    log_decay = None
+    if gate:
+        a = jnp.einsum("bthd,hd->bth", _unit(k), params["gate_w"]) + params["gate_b"]
+        log_decay = jax.nn.log_sigmoid(a)  # log g_t
+        phi_k = phi_k * jax.nn.sigmoid(-a)[..., None]  # (1 - g_t) phi(k_t)
+    return core.attend(
+        phi_q, phi_k, v, q.dtype, mask=mask, causal=causal, chunk_size=chunk_size,
+        log_decay=log_decay, quadratic=quadratic,
+    )
+
+
+def attention(
+    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64,
+    gate=False,
+):
+    """RFA attention ``[B, Tq, H, Dv]``; see the module docstring."""
+    return _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate, False)
+
+
+def reference(
+    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64,
+    gate=False,
+):
+    """The naive quadratic form of `attention` (same features, gates as explicit decays)."""
+    return _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate, True)
+
+
+MECHANISM = register(
+    Mechanism(
+        name="rfa",
+        init_fn=init,
+        attention_fn=attention,
+        reference_fn=reference,
+        supports_causal=True,
+        stochastic=True,
+        fixed_fn=lambda: frozenset({"features"}),
+        description="random feature attention, trig features, learnable sigma, gate (Peng et al. "
+        "2021), O(T)",
+    )
+)

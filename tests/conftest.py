@@ -1,0 +1,12 @@
+"""Test configuration: fake CPU devices and strict rank promotion, set before jax imports."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
