@@ -17,6 +17,9 @@ from linattn_jax import linear_elu  # noqa: E402
 from linattn_jax import performer  # noqa: E402
 from linattn_jax import rfa  # noqa: E402
 from linattn_jax import hedgehog  # noqa: E402
+# from linattn_jax import flexformer  # noqa: E402  (flexformer_s, flexformer_n)
+# from linattn_jax import nystrom  # noqa: E402  (nystromformer, soft, laplacian)
+# from linattn_jax import randomized  # noqa: E402  (ra, lara)
 
 __all__ = ["Mechanism", "causal_names", "core", "get", "names", "register"]
 __version__ = "0.1.0"
