@@ -12,14 +12,16 @@ from linattn_jax import core
 from linattn_jax.registry import Mechanism, causal_names, get, names, register
 
 # Importing a mechanism module registers it; the order is the order of `names()`.
-from linattn_jax import softmax  # noqa: E402, I001
-from linattn_jax import linear_elu  # noqa: E402
-from linattn_jax import performer  # noqa: E402
-from linattn_jax import rfa  # noqa: E402
-from linattn_jax import hedgehog  # noqa: E402
-# from linattn_jax import flexformer  # noqa: E402  (flexformer_s, flexformer_n)
-# from linattn_jax import nystrom  # noqa: E402  (nystromformer, soft, laplacian)
-# from linattn_jax import randomized  # noqa: E402  (ra, lara)
+# isort: off
+from linattn_jax import softmax  # noqa: F401
+from linattn_jax import linear_elu  # noqa: F401
+from linattn_jax import performer  # noqa: F401
+from linattn_jax import rfa  # noqa: F401
+from linattn_jax import hedgehog  # noqa: F401
+# from linattn_jax import flexformer  # noqa: F401  (flexformer_s, flexformer_n)
+# from linattn_jax import nystrom  # noqa: F401  (nystromformer, soft, laplacian)
+# from linattn_jax import randomized  # noqa: F401  (ra, lara)
+# isort: on
 
 __all__ = ["Mechanism", "causal_names", "core", "get", "names", "register"]
 __version__ = "0.1.0"

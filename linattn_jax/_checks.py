@@ -29,7 +29,9 @@ def check_inputs(name: str, q, k, v, mask=None, *, causal: bool = False) -> None
             f"{name}: batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape} (axis 0)"
         )
     if not hq == hk == hv:
-        raise ValueError(f"{name}: head counts differ: q {q.shape}, k {k.shape}, v {v.shape} (axis 2)")
+        raise ValueError(
+            f"{name}: head counts differ: q {q.shape}, k {k.shape}, v {v.shape} (axis 2)"
+        )
     if dq != dk:
         raise ValueError(f"{name}: q and k depths differ: q {q.shape}, k {k.shape} (axis 3)")
     if tk != tv:
@@ -41,7 +43,9 @@ def check_inputs(name: str, q, k, v, mask=None, *, causal: bool = False) -> None
                 f"{jnp.shape(mask)}"
             )
         if jnp.result_type(mask) != jnp.bool_:
-            raise TypeError(f"{name}: mask must be bool (True = attend), got {jnp.result_type(mask)}")
+            raise TypeError(
+                f"{name}: mask must be bool (True = attend), got {jnp.result_type(mask)}"
+            )
     if causal and tq != tk:
         raise ValueError(f"{name}: causal=True needs Tq == Tk, got q {q.shape}, k {k.shape}")
 

@@ -180,7 +180,15 @@ def quadratic_reference(
 
 
 def attend(
-    phi_q, phi_k, v, dtype, *, mask=None, causal=False, chunk_size=64, log_decay=None,
+    phi_q,
+    phi_k,
+    v,
+    dtype,
+    *,
+    mask=None,
+    causal=False,
+    chunk_size=64,
+    log_decay=None,
     quadratic=False,
 ):
     """`linear_attention` (or, with ``quadratic=True``, `quadratic_reference`) cast to `dtype`.

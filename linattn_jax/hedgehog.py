@@ -36,8 +36,14 @@ def _attend(q, k, v, params, mask, causal, chunk_size, quadratic):
     h, d = q.shape[2], q.shape[3]
     _checks.check_params("hedgehog", params, {"w": (h, d, d), "b": (h, d)})
     return core.attend(
-        feature_map(q, params), feature_map(k, params), v, q.dtype, mask=mask, causal=causal,
-        chunk_size=chunk_size, quadratic=quadratic,
+        feature_map(q, params),
+        feature_map(k, params),
+        v,
+        q.dtype,
+        mask=mask,
+        causal=causal,
+        chunk_size=chunk_size,
+        quadratic=quadratic,
     )
 
 

@@ -25,8 +25,14 @@ def _attend(q, k, v, mask, causal, chunk_size, quadratic):
     _checks.check_inputs("linear_elu", q, k, v, mask, causal=causal)
     _checks.check_positive("linear_elu", chunk_size=chunk_size)
     return core.attend(
-        feature_map(q), feature_map(k), v, q.dtype, mask=mask, causal=causal,
-        chunk_size=chunk_size, quadratic=quadratic,
+        feature_map(q),
+        feature_map(k),
+        v,
+        q.dtype,
+        mask=mask,
+        causal=causal,
+        chunk_size=chunk_size,
+        quadratic=quadratic,
     )
 
 

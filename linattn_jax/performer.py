@@ -83,7 +83,13 @@ def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, quadr
     phi_q = feature_map(q, w, is_query=True)
     phi_k = feature_map(k, w, is_query=False, mask=mask)
     return core.attend(
-        phi_q, phi_k, v, q.dtype, mask=mask, causal=causal, chunk_size=chunk_size,
+        phi_q,
+        phi_k,
+        v,
+        q.dtype,
+        mask=mask,
+        causal=causal,
+        chunk_size=chunk_size,
         quadratic=quadratic,
     )
 

@@ -71,13 +71,29 @@ def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate,
         log_decay = jax.nn.log_sigmoid(a)  # log g_t
         phi_k = phi_k * jax.nn.sigmoid(-a)[..., None]  # (1 - g_t) phi(k_t)
     return core.attend(
-        phi_q, phi_k, v, q.dtype, mask=mask, causal=causal, chunk_size=chunk_size,
-        log_decay=log_decay, quadratic=quadratic,
+        phi_q,
+        phi_k,
+        v,
+        q.dtype,
+        mask=mask,
+        causal=causal,
+        chunk_size=chunk_size,
+        log_decay=log_decay,
+        quadratic=quadratic,
     )
 
 
 def attention(
-    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64,
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    chunk_size=64,
     gate=False,
 ):
     """RFA attention ``[B, Tq, H, Dv]``; see the module docstring."""
@@ -85,7 +101,16 @@ def attention(
 
 
 def reference(
-    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64,
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    chunk_size=64,
     gate=False,
 ):
     """The naive quadratic form of `attention` (same features, gates as explicit decays)."""
