@@ -18,7 +18,7 @@ from linattn_jax import linear_elu  # noqa: F401
 from linattn_jax import performer  # noqa: F401
 from linattn_jax import rfa  # noqa: F401
 from linattn_jax import hedgehog  # noqa: F401
-# from linattn_jax import flexformer  # noqa: F401  (flexformer_s, flexformer_n)
+from linattn_jax import flexformer  # noqa: F401  (flexformer_s, flexformer_n)
 # from linattn_jax import nystrom  # noqa: F401  (nystromformer, soft, laplacian)
 # from linattn_jax import randomized  # noqa: F401  (ra, lara)
 # isort: on

@@ -1,0 +1,370 @@
+"""Flexformer: learnable spectral random Fourier features (seed 000).
+
+Two mechanisms, both linear attention through the shared core (`core.attend`)
+with trigonometric features of the scaled inputs ``x^ = x d^(-1/4)``:
+
+``flexformer_s`` (stationary, Bochner). Learnable frequencies ``Omega [H, M, d]``
+(``params["omega"]``), initialised ``N(0, 1)``::
+
+    phi(x)  = M^(-1/2) [cos(Omega x^); sin(Omega x^)]                  [2M features]
+    phi~(x) = exp(|x|^2 / (2 sqrt d)) phi(x) = exp(|x^|^2 / 2) phi(x)
+
+``phi(q) . phi(k) = M^-1 sum_m cos(omega_m . (q^ - k^))`` estimates the Gaussian
+kernel ``exp(-|q^ - k^|^2 / 2)`` (Bochner), so at init ``E[phi~(q) . phi~(k)] =
+exp(q^ . k^) = exp(q . k / sqrt d)``: the unbiased random-Fourier-feature
+estimator of the softmax kernel. Training moves the spectral density.
+
+``flexformer_n`` (non-stationary, Yaglom). Learnable frequency pairs
+``Omega1, Omega2 [H, M, d]`` (``"omega1"``, ``"omega2"``) and a scale ``tau [H]``::
+
+    phi_n(x) = (4M)^(-1/2) [cos(Omega1 x^) + cos(Omega2 x^); sin(Omega1 x^) + sin(Omega2 x^)]
+    phi~(x)  = exp(|x|^2 / exp(tau)) phi_n(x)
+
+``phi_n(q) . phi_n(k) = (4M)^-1 sum_m sum_{a,b in {1,2}} cos(omega_a . q^ - omega_b . k^)``
+is an explicit inner product, hence a positive-definite kernel; it is
+non-stationary as soon as ``Omega1 != Omega2``. The seed gives only the form
+(frequency pairs and a learnable ``tau`` replacing ``2 sqrt d``), not the
+layout of the paired features: this sum-of-pairs layout is our construction.
+Init ``Omega2 = Omega1`` (the same draw as ``flexformer_s`` from the same rng)
+and ``tau = log(2 sqrt d)``, so ``(4M)^(-1/2) * 2 = M^(-1/2)`` and at init
+``flexformer_n`` equals ``flexformer_s`` exactly.
+
+Stabiliser. The norm factor ``exp(s(x))`` (``s = |x^|^2 / 2``, resp. ``|x|^2 /
+exp(tau)``) is applied as ``exp(s - c)`` with a detached c: per token for
+queries (``c = s(q)``, so the query factor is exactly 1 -- it cancels from the
+attention ratio anyway), and the maximum over all unmasked keys (per batch and
+head) for keys (`core.masked_max`). c cancels in the ratio. The features can be
+negative, so the denominator is guarded (`core.guard_denominator`, used by
+`core.attend`).
+
+Options: ``learn_frequencies=False`` (attention keyword, and the same keyword of
+`Mechanism.fixed_params`) freezes the frequencies -- ``stop_gradient`` in the
+attention and reported as non-trainable, so optimisers and weight decay leave
+them alone: this is the fixed-kernel RFF softmax estimator the seed compares
+against. ``init_method="orthogonal"`` draws the frequencies as stacked
+orthogonal blocks with chi-distributed row norms
+(`linattn_jax.performer.orthogonal_features`), still marginally ``N(0, I)`` per
+row, so the estimator stays unbiased with lower variance.
+
+Both are deterministic (``stochastic=False``): ``rng`` and ``deterministic`` are
+ignored. The unstabilised kernel `kernel` and the frequencies `spectral_samples`
+are exposed for inspection and plots.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from linattn_jax import _checks, core
+from linattn_jax.performer import orthogonal_features
+from linattn_jax.registry import Mechanism, register
+
+_f32 = jnp.float32
+_INIT_METHODS = ("gaussian", "orthogonal")
+
+
+def _draw_frequencies(rng, num_heads, num_features, head_dim, init_method):
+    if init_method == "gaussian":
+        return jax.random.normal(rng, (num_heads, num_features, head_dim), _f32)
+    return orthogonal_features(rng, num_heads, num_features, head_dim)
+
+
+def _check_init(name, num_heads, head_dim, num_features, init_method):
+    _checks.check_positive(name, num_heads=num_heads, head_dim=head_dim, num_features=num_features)
+    _checks.check_choice(name, "init_method", init_method, _INIT_METHODS)
+
+
+def init_s(
+    rng, *, num_heads: int, head_dim: int, num_features: int = 128, init_method: str = "gaussian"
+):
+    """``{"omega": [H, M, d]}`` i.i.d. ``N(0, 1)`` (or orthogonal blocks, see module doc)."""
+    _check_init("flexformer_s", num_heads, head_dim, num_features, init_method)
+    return {"omega": _draw_frequencies(rng, num_heads, num_features, head_dim, init_method)}
+
+
+def init_n(
+    rng, *, num_heads: int, head_dim: int, num_features: int = 128, init_method: str = "gaussian"
+):
+    """``{"omega1", "omega2": [H, M, d], "tau": [H]}``.
+
+    ``omega1 = omega2`` = the draw `init_s` makes from the same `rng`, and
+    ``tau = log(2 sqrt d)``: at init the mechanism equals ``flexformer_s``.
+    """
+    _check_init("flexformer_n", num_heads, head_dim, num_features, init_method)
+    omega = _draw_frequencies(rng, num_heads, num_features, head_dim, init_method)
+    return {
+        "omega1": omega,
+        "omega2": omega,
+        "tau": jnp.full((num_heads,), math.log(2.0 * math.sqrt(head_dim)), _f32),
+    }
+
+
+def _project(xh, omega):
+    # Full float32 precision: cos/sin of Omega x^ are sensitive to rounding of the
+    # argument, and accelerators default to reduced-precision matmuls.
+    return jnp.einsum(
+        "bthd,hmd->bthm", xh, omega.astype(_f32), precision=lax.Precision.HIGHEST
+    )  # [B, T, H, M]
+
+
+def _stabilised_norm_factor(s, *, is_query, mask):
+    """``exp(s - c)`` with the detached c; `s` is ``[B, T, H, 1]``."""
+    if is_query:
+        c = s
+    else:
+        b, t = s.shape[:2]
+        valid = core.key_mask(mask, t, b)[:, :, None, None]
+        c = core.masked_max(s, valid, axis=1)  # [B, 1, H, 1]
+    return jnp.exp(s - lax.stop_gradient(c))
+
+
+def _trig_s(xh, omega):
+    wx = _project(xh, omega)
+    return jnp.concatenate([jnp.cos(wx), jnp.sin(wx)], axis=-1) * omega.shape[1] ** -0.5
+
+
+def _trig_n(xh, omega1, omega2):
+    w1, w2 = _project(xh, omega1), _project(xh, omega2)
+    feats = jnp.concatenate([jnp.cos(w1) + jnp.cos(w2), jnp.sin(w1) + jnp.sin(w2)], axis=-1)
+    return feats * (4 * omega1.shape[1]) ** -0.5
+
+
+def _log_norm_s(xh):
+    return 0.5 * jnp.sum(xh * xh, axis=-1, keepdims=True)  # |x|^2 / (2 sqrt d)
+
+
+def _log_norm_n(x, tau):
+    x = x.astype(_f32)
+    return jnp.sum(x * x, axis=-1, keepdims=True) * jnp.exp(-tau)[:, None]  # |x|^2 / exp(tau)
+
+
+def feature_map_s(x, params, *, is_query: bool, mask=None):
+    """Stabilised ``flexformer_s`` features ``[B, T, H, d] -> [B, T, H, 2M]`` float32.
+
+    ``phi~(x) exp(-c)``: ``phi~`` as in the module docstring, c the detached
+    stabiliser (per token for queries, the max over unmasked keys for keys;
+    `mask` ``[B, T]`` is used for the key stabiliser only).
+    """
+    xh = core.scale_inputs(x)
+    factor = _stabilised_norm_factor(_log_norm_s(xh), is_query=is_query, mask=mask)
+    return factor * _trig_s(xh, params["omega"])
+
+
+def feature_map_n(x, params, *, is_query: bool, mask=None):
+    """Stabilised ``flexformer_n`` features ``[B, T, H, d] -> [B, T, H, 2M]`` float32.
+
+    Same conventions as `feature_map_s`, with ``phi~(x) = exp(|x|^2 / exp(tau)) phi_n(x)``.
+    """
+    xh = core.scale_inputs(x)
+    s = _log_norm_n(x, params["tau"])
+    factor = _stabilised_norm_factor(s, is_query=is_query, mask=mask)
+    return factor * _trig_n(xh, params["omega1"], params["omega2"])
+
+
+def _variant(params):
+    keys = set(params)
+    if keys == {"omega"}:
+        return "s"
+    if keys == {"omega1", "omega2", "tau"}:
+        return "n"
+    raise ValueError(
+        "flexformer: params must be flexformer_s params {'omega'} or flexformer_n params "
+        f"{{'omega1', 'omega2', 'tau'}}, got keys {sorted(keys)}"
+    )
+
+
+def kernel(q, k, params):
+    """The unstabilised kernel estimate ``phi~(q_i) . phi~(k_j)`` as ``[B, H, Tq, Tk]`` float32.
+
+    For inspection, plots and tests (the variant is read off the param names).
+    ``q: [B, Tq, H, d]``, ``k: [B, Tk, H, d]``. At init its expectation over the
+    frequencies is ``exp(q . k / sqrt d)``. Not stabilised: it overflows for
+    large norms, exactly as the kernel itself does.
+    """
+    qh, kh = core.scale_inputs(q), core.scale_inputs(k)
+    if _variant(params) == "s":
+        sq, sk = _log_norm_s(qh), _log_norm_s(kh)
+        pq, pk = _trig_s(qh, params["omega"]), _trig_s(kh, params["omega"])
+    else:
+        sq, sk = _log_norm_n(q, params["tau"]), _log_norm_n(k, params["tau"])
+        pq = _trig_n(qh, params["omega1"], params["omega2"])
+        pk = _trig_n(kh, params["omega1"], params["omega2"])
+    dots = jnp.einsum("bihm,bjhm->bhij", pq, pk, precision=lax.Precision.HIGHEST)
+    norms = (
+        sq[..., 0].transpose(0, 2, 1)[..., :, None] + sk[..., 0].transpose(0, 2, 1)[..., None, :]
+    )
+    return jnp.exp(norms) * dots
+
+
+def spectral_samples(params):
+    """The learned frequencies per head: ``omega [H, M, d]`` for ``flexformer_s``,
+    ``concat(omega1, omega2) [H, 2M, d]`` for ``flexformer_n`` (read off the param names)."""
+    if _variant(params) == "s":
+        return params["omega"]
+    return jnp.concatenate([params["omega1"], params["omega2"]], axis=1)
+
+
+def _check_freqs(name, params, keys, h, d, extra=None):
+    if keys[0] not in params:
+        raise ValueError(f"{name}: params is missing {keys[0]!r}; got keys {sorted(params)}")
+    w = params[keys[0]]
+    if w.ndim != 3 or w.shape[0] != h or w.shape[2] != d:
+        raise ValueError(
+            f"{name}: params[{keys[0]!r}] has shape {tuple(w.shape)}, expected [H={h}, M, d={d}]"
+        )
+    expected = {key: w.shape for key in keys}
+    expected.update(extra or {})
+    _checks.check_params(name, params, expected)
+
+
+def _attend(name, q, k, v, params, mask, causal, chunk_size, learn_frequencies, quadratic):
+    _checks.check_inputs(name, q, k, v, mask, causal=causal)
+    _checks.check_positive(name, chunk_size=chunk_size)
+    h, d = q.shape[2], q.shape[3]
+    freq_keys = ("omega",) if name == "flexformer_s" else ("omega1", "omega2")
+    extra = None if name == "flexformer_s" else {"tau": (h,)}
+    _check_freqs(name, params, freq_keys, h, d, extra)
+    params = dict(params)
+    if not learn_frequencies:
+        for key in freq_keys:
+            params[key] = lax.stop_gradient(params[key])
+    fmap = feature_map_s if name == "flexformer_s" else feature_map_n
+    phi_q = fmap(q, params, is_query=True)
+    phi_k = fmap(k, params, is_query=False, mask=mask)
+    return core.attend(
+        phi_q,
+        phi_k,
+        v,
+        q.dtype,
+        mask=mask,
+        causal=causal,
+        chunk_size=chunk_size,
+        quadratic=quadratic,
+    )
+
+
+def attention_s(
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    chunk_size=64,
+    learn_frequencies=True,
+):
+    """``flexformer_s`` attention ``[B, Tq, H, Dv]``; `rng` and `deterministic` are unused.
+
+    ``out_i = phi~(q_i)^T S / phi~(q_i)^T z`` with ``S = sum_j phi~(k_j) v_j^T``,
+    ``z = sum_j phi~(k_j)`` over unmasked keys (``j <= i`` when causal, chunked
+    with `chunk_size`). ``learn_frequencies=False`` stops gradients to ``omega``.
+    """
+    del rng, deterministic
+    return _attend(
+        "flexformer_s", q, k, v, params, mask, causal, chunk_size, learn_frequencies, False
+    )
+
+
+def reference_s(
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    chunk_size=64,
+    learn_frequencies=True,
+):
+    """The naive quadratic form of `attention_s` (same features)."""
+    del rng, deterministic
+    return _attend(
+        "flexformer_s", q, k, v, params, mask, causal, chunk_size, learn_frequencies, True
+    )
+
+
+def attention_n(
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    chunk_size=64,
+    learn_frequencies=True,
+):
+    """``flexformer_n`` attention ``[B, Tq, H, Dv]``; as `attention_s` with the paired
+    features. ``learn_frequencies=False`` stops gradients to ``omega1``, ``omega2`` (``tau``
+    stays learnable)."""
+    del rng, deterministic
+    return _attend(
+        "flexformer_n", q, k, v, params, mask, causal, chunk_size, learn_frequencies, False
+    )
+
+
+def reference_n(
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    chunk_size=64,
+    learn_frequencies=True,
+):
+    """The naive quadratic form of `attention_n` (same features)."""
+    del rng, deterministic
+    return _attend(
+        "flexformer_n", q, k, v, params, mask, causal, chunk_size, learn_frequencies, True
+    )
+
+
+def _fixed_s(*, learn_frequencies=True):
+    return frozenset() if learn_frequencies else frozenset({"omega"})
+
+
+def _fixed_n(*, learn_frequencies=True):
+    return frozenset() if learn_frequencies else frozenset({"omega1", "omega2"})
+
+
+MECHANISM_S = register(
+    Mechanism(
+        name="flexformer_s",
+        init_fn=init_s,
+        attention_fn=attention_s,
+        reference_fn=reference_s,
+        supports_causal=True,
+        stochastic=False,
+        fixed_fn=_fixed_s,
+        description="learnable spectral RFF, stationary (Bochner); Flexformer_s, O(T)",
+    )
+)
+
+MECHANISM_N = register(
+    Mechanism(
+        name="flexformer_n",
+        init_fn=init_n,
+        attention_fn=attention_n,
+        reference_fn=reference_n,
+        supports_causal=True,
+        stochastic=False,
+        fixed_fn=_fixed_n,
+        description="learnable spectral RFF pairs + scale, non-stationary (Yaglom); "
+        "Flexformer_n, O(T)",
+    )
+)
