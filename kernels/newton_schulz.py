@@ -1,0 +1,209 @@
+"""Batched Newton-Schulz inverse of regularised kernel matrices (SPEC section 4).
+
+For each (batch, head) matrix A (m x m), with P = A + eps I:
+
+    alpha   = 1.8 / (max_i sum_j |P_ij| * max_j sum_i |P_ij|)
+    V_0     = alpha P^T
+    V_{k+1} = 2 V_k - V_k P V_k                                   (k = 0 .. iters-1)
+
+The official SOFT / LaplacianFormer recipe is alpha = 1.8 / (max_i sum_j |A_ij|)^2 for a
+symmetric A. We always use the product of the max row sum and max column sum, which equals
+that square for a symmetric matrix and, for a non-symmetric A (separate query and key
+landmarks), still bounds sigma_max(P)^2 <= |P|_1 |P|_inf, so alpha sigma_max^2 <= 1.8 < 2 and
+the iteration converges for any non-singular P. We take the norms of P (not A) so that bound
+holds exactly; the two differ by at most eps in each sum. The error I - P V_k squares every
+step, so the iteration needs about log2(1 / (alpha sigma_min(P)^2)) steps before it starts to
+converge: with eps = 0.01 and a kernel matrix whose largest eigenvalue is ~m (near-duplicate
+landmarks) that is log2(m^2 / (1.8 * 1e-4)), i.e. ~31 steps for m = 256; the default 20 steps
+then leave the smallest eigen-directions under-inverted (see tests/test_kernels.py for the
+measured residuals).
+
+alpha depends on A only through a max: it is treated as a constant (no gradient).
+
+Gradient: the custom VJP treats V as the exact inverse of P, dL/dA = -V^T G V^T (the gradient
+of A -> (A + eps I)^-1 evaluated at the Newton-Schulz approximation V), not the derivative of
+the truncated iteration. `newton_schulz_inverse_reference` is the plain jnp iteration, which
+``jax.grad`` differentiates step by step instead.
+
+Implementations: ``"pallas"`` runs one program per (batch, head), the whole (zero-padded to a
+power of 2 >= 16) matrix held on chip, two float32 ``jnp.dot`` (precision HIGHEST, i.e. no TF32)
+per step inside a ``lax.fori_loop``; m <= 256. Zero padding keeps the iteration block-diagonal:
+the padded block of V stays exactly 0. ``"xla"`` is the same iteration as batched einsums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels import _dispatch
+
+MAX_PALLAS_SIZE = 256  # largest m the one-program-per-matrix kernel accepts
+_MIN_PAD = 16  # Triton dots need every dimension >= 16
+_HI = lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    impl: str  # "xla" | "pallas"
+    iters: int
+    interpret: bool
+
+
+def _alpha(p_abs_row_sums, p_abs_col_sums):
+    denom = jnp.max(p_abs_row_sums, axis=-1) * jnp.max(p_abs_col_sums, axis=-1)
+    # P = A + eps I is never 0 for eps > 0; the floor only keeps eps = 0, A = 0 finite.
+    return 1.8 / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pallas kernel
+# ---------------------------------------------------------------------------------------------
+
+
+def _ns_kernel(p_ref, v_ref, *, iters: int):
+    """Newton-Schulz on one zero-padded ``[m_pad, m_pad]`` matrix P; writes V."""
+    p = p_ref[...]  # [m_pad, m_pad] float32
+    p_abs = jnp.abs(p)
+    alpha = _alpha(jnp.sum(p_abs, axis=1), jnp.sum(p_abs, axis=0))  # scalar
+    v = alpha * p.T  # [m_pad, m_pad]
+
+    def body(_, v):
+        vp = jnp.dot(v, p, precision=_HI, preferred_element_type=jnp.float32)  # [m_pad, m_pad]
+        return 2.0 * v - jnp.dot(vp, v, precision=_HI, preferred_element_type=jnp.float32)
+
+    v_ref[...] = lax.fori_loop(0, iters, body, v)
+
+
+def _ns_pallas(p, iters: int, interpret: bool):
+    bh, m, _ = p.shape
+    m_pad = max(_MIN_PAD, _dispatch.next_power_of_2(m))
+    pp = _dispatch.pad_axis(_dispatch.pad_axis(p, 1, m_pad), 2, m_pad)  # [BH, m_pad, m_pad]
+    spec = pl.BlockSpec((None, m_pad, m_pad), lambda b: (b, 0, 0))
+    v = pl.pallas_call(
+        functools.partial(_ns_kernel, iters=iters),
+        out_shape=jax.ShapeDtypeStruct((bh, m_pad, m_pad), jnp.float32),
+        grid=(bh,),
+        in_specs=[spec],
+        out_specs=spec,
+        interpret=interpret,
+        name="newton_schulz_inverse",
+    )(pp)
+    return v[:, :m, :m]
+
+
+# ---------------------------------------------------------------------------------------------
+# jnp iteration (the xla path and the reference)
+# ---------------------------------------------------------------------------------------------
+
+
+def _ns_jnp(p, iters: int):
+    """Newton-Schulz on ``[..., m, m]`` float32 P."""
+    p_abs = jnp.abs(p)
+    alpha = lax.stop_gradient(_alpha(jnp.sum(p_abs, axis=-1), jnp.sum(p_abs, axis=-2)))  # [...]
+    v = alpha[..., None, None] * jnp.swapaxes(p, -1, -2)
+
+    def body(_, v):
+        vp = jnp.einsum("...ij,...jk->...ik", v, p, precision=_HI)
+        return 2.0 * v - jnp.einsum("...ij,...jk->...ik", vp, v, precision=_HI)
+
+    return lax.fori_loop(0, iters, body, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# custom_vjp on P [BH, m, m] float32
+# ---------------------------------------------------------------------------------------------
+
+
+def _ns_forward(p, cfg: _Config):
+    if cfg.impl == "pallas":
+        return _ns_pallas(p, cfg.iters, cfg.interpret)
+    return _ns_jnp(p, cfg.iters)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _ns(p, cfg: _Config):
+    return _ns_forward(p, cfg)
+
+
+def _ns_fwd(p, cfg):
+    v = _ns_forward(p, cfg)
+    return v, v
+
+
+def _ns_bwd(cfg, v, g):
+    # d(P^-1) = -P^-1 dP P^-1  =>  dL/dP = -P^-T G P^-T, with V standing in for P^-1.
+    vt = jnp.swapaxes(v, -1, -2)
+    gvt = jnp.einsum("bij,bjk->bik", g, vt, precision=_HI)
+    return (-jnp.einsum("bij,bjk->bik", vt, gvt, precision=_HI),)
+
+
+_ns.defvjp(_ns_fwd, _ns_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def _check(name: str, a, iters, eps) -> None:
+    _dispatch.check_rank(name, "a", a, 4)
+    _dispatch.check_float(name, "a", a)
+    if a.shape[2] != a.shape[3]:
+        raise ValueError(f"{name}: a must be [B, H, m, m] (square), got {a.shape=}")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"{name}: iters must be an int >= 1, got {iters=!r}")
+    if not isinstance(eps, int | float) or not eps >= 0.0 or eps == float("inf"):
+        raise ValueError(f"{name}: eps must be a finite float >= 0, got {eps=!r}")
+
+
+def _regularise(a, eps: float):
+    m = a.shape[-1]
+    return a.astype(jnp.float32) + eps * jnp.eye(m, dtype=jnp.float32)
+
+
+def newton_schulz_inverse(
+    a: jax.Array,
+    *,
+    iters: int = 20,
+    eps: float = 0.01,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> jax.Array:
+    """Approximate ``(A + eps I)^-1`` for a batch of kernel matrices by Newton-Schulz.
+
+    Args:
+      a: ``[B, H, m, m]`` floating (computed in float32).
+      iters: number of Newton-Schulz steps (>= 1); SPEC default 20.
+      eps: ridge added to the diagonal (SPEC: 0.01).
+      impl: ``"auto"`` (Pallas on GPU, else xla), ``"xla"`` or ``"pallas"`` (needs m <= 256).
+      interpret: run the Pallas kernel in the interpreter (CPU tests); only for ``"pallas"``.
+
+    Returns:
+      V ``[B, H, m, m]`` float32. Gradient: dL/dA = -V^T G V^T (the exact-inverse rule at V).
+    """
+    name = "newton_schulz_inverse"
+    _check(name, a, iters, eps)
+    impl = _dispatch.resolve_impl(name, impl)
+    b, h, m, _ = a.shape
+    if impl == "pallas" and m > MAX_PALLAS_SIZE:
+        raise ValueError(
+            f'{name}: impl="pallas" holds a whole matrix per program and needs '
+            f'm <= {MAX_PALLAS_SIZE}, got {a.shape=}; use impl="xla"'
+        )
+    cfg = _Config(impl=impl, iters=iters, interpret=bool(interpret))
+    p = _regularise(a, float(eps)).reshape(b * h, m, m)
+    return _ns(p, cfg).reshape(b, h, m, m)
+
+
+def newton_schulz_inverse_reference(
+    a: jax.Array, *, iters: int = 20, eps: float = 0.01
+) -> jax.Array:
+    """Plain jnp oracle of `newton_schulz_inverse` (autodiff goes through every step)."""
+    _check("newton_schulz_inverse_reference", a, iters, eps)
+    return _ns_jnp(_regularise(a, float(eps)), iters)
