@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 from kernels import _dispatch
 
@@ -68,6 +69,7 @@ class BlockSizes:
     block_n: int = 64
     block_m: int = 64
     block_d: int = 8
+    num_warps: int = 4
 
     @classmethod
     def get_default(cls) -> BlockSizes:
@@ -141,6 +143,11 @@ def _dy_kernel(g_ref, x_ref, y_ref, dy_ref, *, block_n: int, num_n_blocks: int):
 # ---------------------------------------------------------------------------------------------
 
 
+def _compiler_params(bs: BlockSizes):
+    # jax >= 0.8 lowers a plain pallas_call to Mosaic GPU; these kernels are written for Triton.
+    return pl_triton.CompilerParams(num_warps=bs.num_warps)
+
+
 def _row_block(block: int, n: int) -> int:
     return min(block, max(_MIN_BLOCK, _dispatch.next_power_of_2(n)))
 
@@ -183,6 +190,7 @@ def _forward_pallas(x, y, inv_lam, bs: BlockSizes, interpret: bool):
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, bn, bm), lambda b, i, j: (b, i, j)),
         interpret=interpret,
+        compiler_params=_compiler_params(bs),
         name="laplace_kernel" if inv_lam is not None else "l1_distance",
     )(*args)
     return out[:, :n, :m]
@@ -208,6 +216,7 @@ def _backward_pallas(x, y, g, bs: BlockSizes, interpret: bool):
         ],
         out_specs=pl.BlockSpec((None, bn, bd), lambda b, i, c: (b, i, c)),
         interpret=interpret,
+        compiler_params=_compiler_params(bs),
         name="l1_distance_dx",
     )(gp, xp, yp)
     dy = pl.pallas_call(
@@ -221,6 +230,7 @@ def _backward_pallas(x, y, g, bs: BlockSizes, interpret: bool):
         ],
         out_specs=pl.BlockSpec((None, bm, bd), lambda b, j, c: (b, j, c)),
         interpret=interpret,
+        compiler_params=_compiler_params(bs),
         name="l1_distance_dy",
     )(gp, xp, yp)
     return dx[:, :n, :d], dy[:, :m, :d]
@@ -452,10 +462,16 @@ def laplace_kernel(
 
 
 def l1_distance_reference(x: jax.Array, y: jax.Array) -> jax.Array:
-    """Naive oracle of `l1_distance`: materialises ``[B, H, N, M, D]``; float32 out."""
+    """Naive oracle of `l1_distance`: materialises ``[B, H, N, M, D]``; float32 out.
+
+    |t| is written t * sign(t) so that ``jax.grad`` takes the same subgradient sign(0) = 0 as
+    the custom VJP at exact ties (frequent with bf16 inputs); ``jnp.abs`` would take +1.
+    """
+    _check_xy("l1_distance_reference", x, y)
     x = x.astype(jnp.float32)
     y = y.astype(jnp.float32)
-    return jnp.sum(jnp.abs(x[:, :, :, None, :] - y[:, :, None, :, :]), axis=-1)
+    diff = x[:, :, :, None, :] - y[:, :, None, :, :]  # [B, H, N, M, D]
+    return jnp.sum(diff * jnp.sign(diff), axis=-1)
 
 
 def laplace_kernel_reference(x: jax.Array, y: jax.Array, lam: jax.Array | float) -> jax.Array:

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 from kernels import _dispatch
 
@@ -92,6 +93,8 @@ def _ns_pallas(p, iters: int, interpret: bool):
         in_specs=[spec],
         out_specs=spec,
         interpret=interpret,
+        # Triton, not the Mosaic GPU default of jax >= 0.8; more warps for the bigger tiles.
+        compiler_params=pl_triton.CompilerParams(num_warps=4 if m_pad <= 64 else 8),
         name="newton_schulz_inverse",
     )(pp)
     return v[:, :m, :m]
