@@ -1,0 +1,779 @@
+"""The Nystrom family: ``nystromformer``, ``soft`` and ``laplacian`` (non-causal, O(T m)).
+
+One core serves all three. Per head, with a kernel kappa and m landmarks
+``Q~, K~`` (segment means of the masked sequence, or 2-D average pooling with
+``grid=(h, w)``; see `linattn_jax.landmarks`)::
+
+    C_q = kappa(Q, K~)  [Tq x m],   A = kappa(Q~, K~)  [m x m],   C_k = kappa(Q~, K)  [m x Tk]
+
+and the ``Tq x Tk`` kernel matrix is estimated by ``C_q A^+ C_k``, never
+materialised: the core forms ``C_k V`` first (``[m x Dv]``), then ``A^+ (C_k V)``,
+then ``C_q (.)``. Cost O((Tq + Tk) m d + m^3).
+
+* ``nystromformer`` (Xiong et al. 2021): kappa is the row softmax of scaled dot
+  products, ``softmax(Q K~^T / sqrt d)``, ``softmax(Q~ K~^T / sqrt d)``,
+  ``softmax(Q~ K^T / sqrt d)`` (masked keys excluded from the last), and ``A^+``
+  is the paper's iterative pseudo-inverse
+  ``Z <- Z (13 I - A Z (15 I - A Z (7 I - A Z))) / 4`` from
+  ``Z_0 = A^T / (max_j sum_i |A_ij| * max_i sum_j |A_ij|)`` (``ns_iters``
+  iterations, default 6). The scale of ``Z_0`` is taken per batch row and head
+  (the paper's code takes it over the whole batch), so rows of a batch stay
+  independent. Output ``C_q Z (C_k V)``.
+* ``soft`` (Lu et al. 2021): Gaussian kernel ``exp(-|q^ - k^|^2 / 2)`` with
+  ``x^ = x d^(-1/4)``. As in SOFT the key side is tied to the queries
+  (``tie_qk=True``, the default: the kernel is evaluated on q for both sides,
+  so `k` is used only for validation and gets a zero gradient; v is still the
+  values; needs ``Tq == Tk``); ``tie_qk=False`` evaluates the key side on k
+  (cross-attention). ``A^+`` by Newton-Schulz (`kernels.newton_schulz_inverse`,
+  ``P = A + eps I``). Output ``C_q A^+ (C_k V)`` with no normalisation, as in
+  SOFT (``normalize="none"``, the default) or divided by the same estimate of
+  the row sums (``normalize="row"``).
+* ``laplacian`` (LaplacianFormer): Laplace kernel ``exp(-|q - k|_1 / lambda)``
+  on the raw q, k, lambda > 0 per head: learnable (``params["log_lam"] [H]``,
+  init ``log sqrt(d)``) when the config ``lam`` is None (the default), or the
+  fixed value ``lam`` (then there is no param). The kernel matrices from
+  `kernels.laplace_kernel` (Pallas on GPU; ``impl``/``interpret`` are passed
+  through), ``A^+`` by Newton-Schulz. With the default injective feature map
+  (``normalize="injective"``): ``c_i = kappa(q_i, K~)`` is whitened per
+  landmark coordinate over the (unmasked) query tokens of the sequence,
+  ``c^_i = (c_i - mean_i c) / sqrt(var_i c + 1e-5)``; with ``w_i = c^_i A^+ C_k``
+  (never materialised) and n the number of unmasked keys,
+  ``out_i = mean_j v_j + (1/n) sum_j (w_ij - mean_j w_ij) v_j``: every row of
+  effective weights sums to 1 and distinct queries give distinct weights.
+  ``normalize="row"`` is the plain ablation ``(c_i A^+ C_k V) / (c_i A^+ C_k 1)``
+  (guarded, `core.guard_denominator`).
+
+Masks. ``mask [B, Tk]`` is the key-padding mask: masked keys take no part in
+the key landmarks, ``C_k`` or any mean over keys. When ``Tq == Tk`` the mask is
+taken as the padding mask of both sides (self-attention): masked tokens also
+take no part in the query landmarks or the whitening statistics, so the
+output on the valid queries equals the run on the unpadded sequence. When a
+row has fewer valid tokens than landmark slots, the spare slots are invalid
+and made inert: their columns of ``C_q``, rows of ``C_k`` and rows/columns of
+``A`` are zero, so ``A^+`` (Newton-Schulz, the Nystromformer iteration or
+pinv, all of which keep the block structure and whose scales ignore zero
+rows) acts on the valid block alone. A slot is valid when both its query and
+its key landmark are (the two sides can differ in cross-attention). A row with
+no valid key returns zeros.
+
+Inverse (config ``inverse``): ``"iterative"`` (default; the mechanism's
+iteration above) or ``"exact"`` (``jnp.linalg.pinv(A + eps I)``, eps = 0 for
+nystromformer), for tests and ablations.
+
+Each mechanism has a ``reference`` (the same landmarks and inverse with the
+``Tq x Tk`` matrix ``C_q A^+ C_k`` materialised and the normalisation applied to
+it; the oracle the linear path is tested against) and a ``*_weights``
+function giving the effective weights ``[B, H, Tq, Tk]`` (``out = weights @ v``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import kernels
+from linattn_jax import _checks, core
+from linattn_jax import landmarks as lm
+from linattn_jax.registry import Mechanism, register
+
+_f32 = jnp.float32
+
+#: Added to the per-coordinate variance in the injective whitening.
+WHITEN_EPS = 1e-5
+
+_INVERSES = ("iterative", "exact")
+_IMPLS = ("auto", "xla", "pallas")
+
+
+def _allow_rank_promotion():
+    # landmarks.assignment and kernels.newton_schulz_inverse (as of this writing) broadcast
+    # arrays of different ranks; allow that inside those calls so the mechanisms also run
+    # under jax_numpy_rank_promotion="raise" (our own code never relies on it).
+    return jax.numpy_rank_promotion("allow")
+
+
+# --------------------------------------------------------------------------- kernels kappa
+# Each kappa takes x [B, H, N, D], y [B, H, M, D] (float32) and a column mask
+# [B, M] and returns [B, H, N, M] float32 with the masked columns zero.
+
+
+def _softmax_kappa(x, y, col_valid):
+    """Row softmax of ``x y^T`` over the unmasked columns (x, y already scaled by d^-1/4)."""
+    logits = jnp.einsum("bhnd,bhmd->bhnm", x, y)
+    valid = col_valid[:, None, None, :]
+    mx = core.masked_max(logits, valid, axis=-1)
+    e = jnp.where(valid, jnp.exp(jnp.where(valid, logits - lax.stop_gradient(mx), 0.0)), 0.0)
+    den = jnp.sum(e, axis=-1, keepdims=True)
+    return e / jnp.where(den > 0, den, 1.0)
+
+
+def _gaussian_kappa(x, y, col_valid):
+    """``exp(-|x - y|^2 / 2)`` (x, y already scaled by d^-1/4)."""
+    sq = (
+        jnp.sum(x * x, axis=-1)[..., :, None]
+        + jnp.sum(y * y, axis=-1)[..., None, :]
+        - 2.0 * jnp.einsum("bhnd,bhmd->bhnm", x, y)
+    )
+    # Rounding can make the expanded squared distance slightly negative.
+    return jnp.exp(-0.5 * jnp.maximum(sq, 0.0)) * col_valid[:, None, None, :]
+
+
+def _laplace_kappa(lam, impl, interpret):
+    """``exp(-|x - y|_1 / lam_h)`` with lam ``[H]`` (`kernels.laplace_kernel`, exp fused)."""
+
+    def kappa(x, y, col_valid):
+        with _allow_rank_promotion():
+            k = kernels.laplace_kernel(x, y, lam, impl=impl, interpret=interpret)  # lam: [H]
+        return k * col_valid[:, None, None, :]
+
+    return kappa
+
+
+# --------------------------------------------------------------------------- inverses
+
+
+def _eye_like(a):
+    """The identity ``[1, ..., 1, m, m]`` of the rank of ``a [..., m, m]`` (no rank promotion)."""
+    m = a.shape[-1]
+    return jnp.eye(m, dtype=_f32).reshape((1,) * (a.ndim - 2) + (m, m))
+
+
+def iterative_pinv(a, iters: int):
+    """The Nystromformer iterative pseudo-inverse of ``a [..., m, m]`` (float32).
+
+    ``Z_0 = A^T / (max_j sum_i |A_ij| * max_i sum_j |A_ij|)`` (per matrix), then
+    ``iters`` times ``Z <- Z (13 I - A Z (15 I - A Z (7 I - A Z))) / 4``.
+    """
+    a = a.astype(_f32)
+    eye = _eye_like(a)
+    abs_a = jnp.abs(a)
+    col = jnp.max(jnp.sum(abs_a, axis=-2), axis=-1)[..., None, None]
+    row = jnp.max(jnp.sum(abs_a, axis=-1), axis=-1)[..., None, None]
+    z0 = jnp.swapaxes(a, -1, -2) / jnp.maximum(col * row, 1e-30)
+
+    def body(_, z):
+        az = a @ z
+        return 0.25 * z @ (13.0 * eye - az @ (15.0 * eye - az @ (7.0 * eye - az)))
+
+    return lax.fori_loop(0, iters, body, z0)
+
+
+def _inverter(inverse: str, family: str, ns_iters: int, eps: float, impl: str, interpret: bool):
+    if inverse == "exact":
+
+        def exact(a):
+            return jnp.linalg.pinv(a + eps * _eye_like(a))
+
+        return exact
+    if family == "nystromformer":
+        return lambda a: iterative_pinv(a, ns_iters)
+
+    def newton_schulz(a):
+        with _allow_rank_promotion():
+            v = kernels.newton_schulz_inverse(
+                a, iters=ns_iters, eps=eps, impl=impl, interpret=interpret
+            )
+        return v.astype(_f32)
+
+    return newton_schulz
+
+
+# --------------------------------------------------------------------------- the shared core
+
+
+def _assign(t, m, mask, batch, grid, n_slots):
+    """Landmark weights ``[B, T, n_slots]`` and validity ``[B, n_slots]`` (zero-padded slots)."""
+    with _allow_rank_promotion():
+        w, valid = lm.assignment(t, m, mask=mask, batch=batch, grid=grid)
+    pad = n_slots - w.shape[-1]
+    if pad:
+        w = jnp.pad(w, ((0, 0), (0, 0), (0, pad)))
+        valid = jnp.pad(valid, ((0, 0), (0, pad)))
+    return w, valid
+
+
+def _heads_first(x):
+    return jnp.swapaxes(x, 1, 2)  # [B, T, H, D] <-> [B, H, T, D]
+
+
+def _whiten(c, qmask):
+    """Per-landmark-coordinate whitening of ``c [B, H, Tq, L]`` over the unmasked queries."""
+    w = qmask[:, None, :, None].astype(_f32)
+    n = jnp.maximum(jnp.sum(w, axis=2, keepdims=True), 1.0)
+    mean = jnp.sum(c * w, axis=2, keepdims=True) / n
+    var = jnp.sum(jnp.square(c - mean) * w, axis=2, keepdims=True) / n
+    return (c - mean) * lax.rsqrt(var + WHITEN_EPS)
+
+
+def _nystrom(qx, kx, v, mask, kappa, invert, *, num_landmarks, grid, normalize, output):
+    """The shared Nystrom core.
+
+    Args:
+      qx: ``[B, Tq, H, D]`` float32 query-side inputs of the kernel.
+      kx: ``[B, Tk, H, D]`` float32 key-side inputs of the kernel.
+      v: ``[B, Tk, H, Dv]`` values.
+      mask: optional ``[B, Tk]`` key-padding mask (also the query mask when Tq == Tk).
+      kappa: ``kappa(x, y, col_valid) -> [B, H, N, M]``.
+      invert: ``[B, H, L, L] -> [B, H, L, L]`` (pseudo-)inverse.
+      normalize: ``"none"``, ``"row"`` or ``"injective"``.
+      output: ``"linear"`` (the O(T m) path), ``"reference"`` (materialised
+        ``Tq x Tk``) or ``"weights"`` (the effective weights ``[B, H, Tq, Tk]``).
+
+    Returns:
+      ``[B, Tq, H, Dv]`` float32, or the weights for ``output="weights"``.
+    """
+    b, tq, _, _ = qx.shape
+    tk = kx.shape[1]
+    kmask = core.key_mask(mask, tk, b)
+    qmask = mask if (mask is not None and tq == tk) else jnp.ones((b, tq), bool)
+    n_slots = max(
+        lm.num_landmarks(tq, num_landmarks, grid), lm.num_landmarks(tk, num_landmarks, grid)
+    )
+    wq, valid_q = _assign(tq, num_landmarks, qmask, b, grid, n_slots)
+    wk, valid_k = _assign(tk, num_landmarks, kmask, b, grid, n_slots)
+    valid = valid_q & valid_k  # [B, L]
+    q_lm = _heads_first(lm.segment_means(qx, wq))  # [B, H, L, D]
+    k_lm = _heads_first(lm.segment_means(kx, wk))
+    qh, kh = _heads_first(qx), _heads_first(kx)
+
+    c_q = kappa(qh, k_lm, valid)  # [B, H, Tq, L]
+    row_valid = valid[:, None, :, None]
+    a = kappa(q_lm, k_lm, valid) * row_valid  # [B, H, L, L]
+    # A row with no valid landmark gets A = I (so every inverse stays finite);
+    # otherwise the invalid block is zero and the scales of the iterations ignore it.
+    none_valid = ~jnp.any(valid, axis=-1)  # [B]
+    eye = jnp.eye(n_slots, dtype=bool)[None, None]
+    a = jnp.where(eye & none_valid[:, None, None, None], 1.0, a)
+    c_k = kappa(q_lm, kh, kmask) * row_valid  # [B, H, L, Tk]
+    a_inv = invert(a)
+
+    feats = _whiten(c_q, qmask) if normalize == "injective" else c_q
+    vh = _heads_first(v.astype(_f32)) * kmask[:, None, :, None]  # [B, H, Tk, Dv]
+    n_keys = jnp.maximum(jnp.sum(kmask, axis=-1).astype(_f32), 1.0)[:, None, None, None]
+
+    if output != "linear":
+        w = feats @ (a_inv @ c_k)  # [B, H, Tq, Tk]: the materialised estimate
+        kcol = kmask[:, None, None, :]
+        if normalize == "row":
+            w = w / core.guard_denominator(jnp.sum(w, axis=-1, keepdims=True))
+        elif normalize == "injective":
+            w_mean = jnp.sum(w, axis=-1, keepdims=True) / n_keys
+            w = jnp.where(kcol, 1.0 + w - w_mean, 0.0) / n_keys
+        w = jnp.where(kcol, w, 0.0)
+        if output == "weights":
+            return w
+        return _heads_first(w @ vh)
+
+    u = c_k @ vh  # [B, H, L, Dv]: C_k V first
+    r = jnp.sum(c_k, axis=-1)  # [B, H, L]: C_k 1
+    if normalize == "injective":
+        v_mean = jnp.sum(vh, axis=2, keepdims=True) / n_keys  # [B, H, 1, Dv]
+        g = u - r[..., None] * v_mean
+        out = v_mean + feats @ (a_inv @ g) / n_keys
+    else:
+        out = feats @ (a_inv @ u)
+        if normalize == "row":
+            den = jnp.einsum("bhtl,bhl->bht", feats, jnp.einsum("bhlm,bhm->bhl", a_inv, r))
+            out = out / core.guard_denominator(den)[..., None]
+    return _heads_first(out)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_config(name, *, num_landmarks, ns_iters, grid, inverse, eps=0.0, normalize=None):
+    _checks.check_positive(name, num_landmarks=num_landmarks, ns_iters=ns_iters)
+    _checks.check_choice(name, "inverse", inverse, _INVERSES)
+    if normalize is not None:
+        _checks.check_choice(name, "normalize", normalize[0], normalize[1])
+    if grid is not None:
+        ok = isinstance(grid, tuple) and len(grid) == 2
+        ok = ok and all(isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in grid)
+        if not ok:
+            raise ValueError(
+                f"{name}: grid must be None or a tuple (h, w) of ints >= 1, got {grid!r}"
+            )
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
+        raise ValueError(f"{name}: eps must be a float >= 0, got {eps!r}")
+
+
+def _check_grid_fits(name, grid, q, k):
+    if grid is not None:
+        h, w = grid
+        for arg, x in (("q", q), ("k", k)):
+            if h * w > x.shape[1]:
+                raise ValueError(
+                    f"{name}: grid={grid} needs h * w = {h * w} <= the length of {arg}, got "
+                    f"{arg} shape {x.shape}"
+                )
+
+
+def _check_impl(name, impl):
+    _checks.check_choice(name, "impl", impl, _IMPLS)
+
+
+# --------------------------------------------------------------------------- nystromformer
+
+_NF = "nystromformer"
+
+
+def _nystromformer(q, k, v, mask, causal, num_landmarks, ns_iters, grid, inverse, output):
+    _checks.check_inputs(_NF, q, k, v, mask, causal=causal)
+    _checks.check_causal_supported(_NF, causal)
+    _check_config(_NF, num_landmarks=num_landmarks, ns_iters=ns_iters, grid=grid, inverse=inverse)
+    _check_grid_fits(_NF, grid, q, k)
+    invert = _inverter(inverse, _NF, ns_iters, 0.0, "xla", False)
+    return _nystrom(
+        core.scale_inputs(q),
+        core.scale_inputs(k),
+        v,
+        mask,
+        _softmax_kappa,
+        invert,
+        num_landmarks=num_landmarks,
+        grid=grid,
+        normalize="none",
+        output=output,
+    )
+
+
+def nystromformer_init(rng, *, num_heads: int, head_dim: int):
+    """Nystromformer has no params."""
+    del rng, num_heads, head_dim
+    return {}
+
+
+def nystromformer_attention(
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    num_landmarks=64,
+    ns_iters=6,
+    grid=None,
+    inverse="iterative",
+):
+    """Nystromformer attention ``[B, Tq, H, Dv]`` in q's dtype; see the module docstring.
+
+    Args:
+      num_landmarks: m, the number of landmarks (segment means; with ``grid``
+        an ``isqrt(m) x (m // isqrt(m))`` pooling grid).
+      ns_iters: iterations of the iterative pseudo-inverse (paper: 6).
+      grid: optional ``(h, w)``: the last ``h * w`` tokens are an image.
+      inverse: ``"iterative"`` or ``"exact"`` (``jnp.linalg.pinv``).
+    """
+    del params, rng, deterministic
+    out = _nystromformer(q, k, v, mask, causal, num_landmarks, ns_iters, grid, inverse, "linear")
+    return out.astype(q.dtype)
+
+
+def nystromformer_reference(
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    num_landmarks=64,
+    ns_iters=6,
+    grid=None,
+    inverse="iterative",
+):
+    """`nystromformer_attention` with ``C_q Z C_k`` materialised (``[B, H, Tq, Tk]``)."""
+    del params, rng, deterministic
+    out = _nystromformer(q, k, v, mask, causal, num_landmarks, ns_iters, grid, inverse, "reference")
+    return out.astype(q.dtype)
+
+
+def nystromformer_weights(
+    q, k, params=None, *, mask=None, num_landmarks=64, ns_iters=6, grid=None, inverse="iterative"
+):
+    """Effective weights ``C_q Z C_k`` as ``[B, H, Tq, Tk]`` float32 (``out = weights @ v``)."""
+    del params
+    v = jnp.zeros(k.shape[:3] + (1,), _f32)
+    return _nystromformer(q, k, v, mask, False, num_landmarks, ns_iters, grid, inverse, "weights")
+
+
+# --------------------------------------------------------------------------- soft
+
+_SOFT = "soft"
+_SOFT_NORMALIZE = ("none", "row")
+
+
+def _soft(
+    q, k, v, mask, causal, num_landmarks, ns_iters, eps, grid, inverse, normalize, tie_qk,
+    impl, interpret, output,
+):  # fmt: skip
+    _checks.check_inputs(_SOFT, q, k, v, mask, causal=causal)
+    _checks.check_causal_supported(_SOFT, causal)
+    _check_config(
+        _SOFT,
+        num_landmarks=num_landmarks,
+        ns_iters=ns_iters,
+        grid=grid,
+        inverse=inverse,
+        eps=eps,
+        normalize=(normalize, _SOFT_NORMALIZE),
+    )
+    _check_impl(_SOFT, impl)
+    if tie_qk and q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"{_SOFT}: tie_qk=True evaluates the key side of the kernel on q (as SOFT), which "
+            f"needs Tq == Tk; got q {q.shape}, k {k.shape}. Pass tie_qk=False for "
+            "cross-attention."
+        )
+    _check_grid_fits(_SOFT, grid, q, k)
+    qx = core.scale_inputs(q)
+    kx = qx if tie_qk else core.scale_inputs(k)
+    invert = _inverter(inverse, _SOFT, ns_iters, eps, impl, interpret)
+    return _nystrom(
+        qx,
+        kx,
+        v,
+        mask,
+        _gaussian_kappa,
+        invert,
+        num_landmarks=num_landmarks,
+        grid=grid,
+        normalize=normalize,
+        output=output,
+    )
+
+
+def soft_init(rng, *, num_heads: int, head_dim: int):
+    """SOFT has no params."""
+    del rng, num_heads, head_dim
+    return {}
+
+
+def soft_attention(
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    num_landmarks=64,
+    ns_iters=20,
+    eps=0.01,
+    grid=None,
+    inverse="iterative",
+    normalize="none",
+    tie_qk=True,
+    impl="auto",
+    interpret=False,
+):
+    """SOFT attention ``[B, Tq, H, Dv]`` in q's dtype; see the module docstring.
+
+    Args:
+      num_landmarks: m, the number of landmarks.
+      ns_iters: Newton-Schulz iterations (default 20).
+      eps: the Newton-Schulz regulariser, ``P = A + eps I``.
+      grid: optional ``(h, w)``: the last ``h * w`` tokens are an image.
+      inverse: ``"iterative"`` (Newton-Schulz) or ``"exact"`` (``pinv(A + eps I)``).
+      normalize: ``"none"`` (SOFT: ``C_q A^+ C_k V``) or ``"row"`` (divided by
+        ``C_q A^+ C_k 1``, guarded).
+      tie_qk: evaluate the key side of the kernel on q (SOFT); needs Tq == Tk.
+      impl, interpret: passed to `kernels.newton_schulz_inverse`.
+    """
+    del params, rng, deterministic
+    out = _soft(
+        q, k, v, mask, causal, num_landmarks, ns_iters, eps, grid, inverse, normalize, tie_qk,
+        impl, interpret, "linear",
+    )  # fmt: skip
+    return out.astype(q.dtype)
+
+
+def soft_reference(
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    num_landmarks=64,
+    ns_iters=20,
+    eps=0.01,
+    grid=None,
+    inverse="iterative",
+    normalize="none",
+    tie_qk=True,
+    impl="auto",
+    interpret=False,
+):
+    """`soft_attention` with ``C_q A^+ C_k`` materialised (``[B, H, Tq, Tk]``)."""
+    del params, rng, deterministic
+    out = _soft(
+        q, k, v, mask, causal, num_landmarks, ns_iters, eps, grid, inverse, normalize, tie_qk,
+        impl, interpret, "reference",
+    )  # fmt: skip
+    return out.astype(q.dtype)
+
+
+def soft_weights(
+    q,
+    k,
+    params=None,
+    *,
+    mask=None,
+    num_landmarks=64,
+    ns_iters=20,
+    eps=0.01,
+    grid=None,
+    inverse="iterative",
+    normalize="none",
+    tie_qk=True,
+    impl="auto",
+    interpret=False,
+):
+    """Effective SOFT weights ``[B, H, Tq, Tk]`` float32 (``out = weights @ v``)."""
+    del params
+    v = jnp.zeros(k.shape[:3] + (1,), _f32)
+    return _soft(
+        q, k, v, mask, False, num_landmarks, ns_iters, eps, grid, inverse, normalize, tie_qk,
+        impl, interpret, "weights",
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- laplacian
+
+_LAP = "laplacian"
+_LAP_NORMALIZE = ("injective", "row")
+
+
+def laplacian_init(rng, *, num_heads: int, head_dim: int, lam=None):
+    """``{"log_lam": [H]}`` initialised to ``log sqrt(d)``; ``{}`` when `lam` fixes lambda."""
+    del rng
+    _check_lam(lam)
+    if lam is not None:
+        return {}
+    return {"log_lam": jnp.full((num_heads,), 0.5 * math.log(head_dim), _f32)}
+
+
+def _check_lam(lam):
+    if lam is not None and (
+        isinstance(lam, bool) or not isinstance(lam, int | float) or not lam > 0
+    ):
+        raise ValueError(f"{_LAP}: lam must be None (learnable) or a float > 0, got {lam!r}")
+
+
+def _laplacian(
+    q, k, v, params, mask, causal, num_landmarks, ns_iters, eps, lam, grid, inverse, normalize,
+    impl, interpret, output,
+):  # fmt: skip
+    _checks.check_inputs(_LAP, q, k, v, mask, causal=causal)
+    _checks.check_causal_supported(_LAP, causal)
+    _check_config(
+        _LAP,
+        num_landmarks=num_landmarks,
+        ns_iters=ns_iters,
+        grid=grid,
+        inverse=inverse,
+        eps=eps,
+        normalize=(normalize, _LAP_NORMALIZE),
+    )
+    _check_impl(_LAP, impl)
+    _check_lam(lam)
+    _check_grid_fits(_LAP, grid, q, k)
+    h = q.shape[2]
+    if lam is None:
+        _checks.check_params(_LAP, params, {"log_lam": (h,)})
+        lam_h = jnp.exp(params["log_lam"].astype(_f32))
+    else:
+        if params and "log_lam" in params:
+            raise ValueError(
+                f"{_LAP}: lam={lam!r} fixes lambda, but params carries 'log_lam'; init with the "
+                "same lam (no params) or pass lam=None to learn it"
+            )
+        lam_h = jnp.full((h,), lam, _f32)
+    invert = _inverter(inverse, _LAP, ns_iters, eps, impl, interpret)
+    return _nystrom(
+        q.astype(_f32),
+        k.astype(_f32),
+        v,
+        mask,
+        _laplace_kappa(lam_h, impl, interpret),
+        invert,
+        num_landmarks=num_landmarks,
+        grid=grid,
+        normalize=normalize,
+        output=output,
+    )
+
+
+def laplacian_attention(
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    num_landmarks=64,
+    ns_iters=20,
+    eps=0.01,
+    lam=None,
+    grid=None,
+    inverse="iterative",
+    normalize="injective",
+    impl="auto",
+    interpret=False,
+):
+    """LaplacianFormer attention ``[B, Tq, H, Dv]`` in q's dtype; see the module docstring.
+
+    Args:
+      params: ``{"log_lam": [H]}`` when ``lam`` is None, else ``{}``.
+      num_landmarks: m, the number of landmarks.
+      ns_iters: Newton-Schulz iterations (default 20).
+      eps: the Newton-Schulz regulariser, ``P = A + eps I``.
+      lam: None (learnable ``exp(params["log_lam"])``) or a fixed lambda > 0.
+      grid: optional ``(h, w)``: the last ``h * w`` tokens are an image.
+      inverse: ``"iterative"`` (Newton-Schulz) or ``"exact"`` (``pinv(A + eps I)``).
+      normalize: ``"injective"`` (whitened features, rows of weights sum to 1)
+      impl, interpret: passed to `kernels.laplace_kernel` and
+      impl, interpret: passed to `kernels.l1_distance` and
+        `kernels.newton_schulz_inverse`.
+    """
+    del rng, deterministic
+    out = _laplacian(
+        q, k, v, params, mask, causal, num_landmarks, ns_iters, eps, lam, grid, inverse,
+        normalize, impl, interpret, "linear",
+    )  # fmt: skip
+    return out.astype(q.dtype)
+
+
+def laplacian_reference(
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    num_landmarks=64,
+    ns_iters=20,
+    eps=0.01,
+    lam=None,
+    grid=None,
+    inverse="iterative",
+    normalize="injective",
+    impl="auto",
+    interpret=False,
+):
+    """`laplacian_attention` with ``c A^+ C_k`` materialised (``[B, H, Tq, Tk]``)."""
+    del rng, deterministic
+    out = _laplacian(
+        q, k, v, params, mask, causal, num_landmarks, ns_iters, eps, lam, grid, inverse,
+        normalize, impl, interpret, "reference",
+    )  # fmt: skip
+    return out.astype(q.dtype)
+
+
+def laplacian_weights(
+    q,
+    k,
+    params,
+    *,
+    mask=None,
+    num_landmarks=64,
+    ns_iters=20,
+    eps=0.01,
+    lam=None,
+    grid=None,
+    inverse="iterative",
+    normalize="injective",
+    impl="auto",
+    interpret=False,
+):
+    """Effective LaplacianFormer weights ``[B, H, Tq, Tk]`` float32 (``out = weights @ v``).
+
+    With ``normalize="injective"`` every row over the unmasked keys sums to 1.
+    """
+    v = jnp.zeros(k.shape[:3] + (1,), _f32)
+    return _laplacian(
+        q, k, v, params, mask, False, num_landmarks, ns_iters, eps, lam, grid, inverse,
+        normalize, impl, interpret, "weights",
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- registration
+
+NYSTROMFORMER = register(
+    Mechanism(
+        name="nystromformer",
+        init_fn=nystromformer_init,
+        attention_fn=nystromformer_attention,
+        reference_fn=nystromformer_reference,
+        supports_causal=False,
+        stochastic=False,
+        description="Nystrom approximation of softmax attention, iterative pseudo-inverse "
+        "(Xiong et al. 2021), O(T m)",
+    )
+)
+
+SOFT = register(
+    Mechanism(
+        name="soft",
+        init_fn=soft_init,
+        attention_fn=soft_attention,
+        reference_fn=soft_reference,
+        supports_causal=False,
+        stochastic=False,
+        description="Nystrom approximation of a Gaussian kernel, Newton-Schulz inverse "
+        "(Lu et al. 2021), O(T m)",
+    )
+)
+
+LAPLACIAN = register(
+    Mechanism(
+        name="laplacian",
+        init_fn=laplacian_init,
+        attention_fn=laplacian_attention,
+        reference_fn=laplacian_reference,
+        supports_causal=False,
+        stochastic=False,
+        description="Nystrom approximation of a Laplace kernel with an injective feature map, "
+        "Newton-Schulz inverse (LaplacianFormer), O(T m)",
+    )
+)
+
+__all__ = [
+    "WHITEN_EPS",
+    "iterative_pinv",
+    "nystromformer_init",
+    "nystromformer_attention",
+    "nystromformer_reference",
+    "nystromformer_weights",
+    "soft_init",
+    "soft_attention",
+    "soft_reference",
+    "soft_weights",
+    "laplacian_init",
+    "laplacian_attention",
+    "laplacian_reference",
+    "laplacian_weights",
+    "NYSTROMFORMER",
+    "SOFT",
+    "LAPLACIAN",
+]

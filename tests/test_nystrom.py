@@ -1,0 +1,447 @@
+"""Tests for the Nystrom family: nystromformer, soft, laplacian (linattn_jax/nystrom.py).
+
+Oracles are written here in float64 numpy, independently of the library: the full
+``T x T`` kernel matrices (Laplace, Gaussian, softmax) and the Nystrom estimate from
+explicitly given landmarks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import linattn_jax as la
+from linattn_jax import nystrom as ny
+
+# (mechanism, config) cases covering every normalisation.
+CASES = [
+    ("nystromformer", {}),
+    ("soft", {"normalize": "none"}),
+    ("soft", {"normalize": "row"}),
+    ("laplacian", {"normalize": "injective"}),
+    ("laplacian", {"normalize": "row"}),
+]
+IDS = [f"{n}-{c.get('normalize', 'none')}" for n, c in CASES]
+WEIGHTS = {
+    "nystromformer": ny.nystromformer_weights,
+    "soft": ny.soft_weights,
+    "laplacian": ny.laplacian_weights,
+}
+H, D = 2, 8
+# Linear path vs materialised reference (relative to the largest entry), by normalisation:
+# the plain "row" ablation divides by estimated row sums that can come close to 0.
+_TOL_LINEAR = {None: 1e-5, "none": 1e-5, "injective": 1e-5, "row": 2e-4}
+
+
+def _inputs(seed, b=2, tq=10, tk=None, h=H, d=D, dv=4, scale=1.0, dtype=jnp.float32):
+    tk = tq if tk is None else tk
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = scale * jax.random.normal(kq, (b, tq, h, d))
+    k = scale * jax.random.normal(kk, (b, tk, h, d))
+    v = jax.random.normal(kv, (b, tk, h, dv))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def _params(name, seed=3, h=H, d=D, **config):
+    p = la.get(name).init(jax.random.key(seed), num_heads=h, head_dim=d, **config)
+    if "log_lam" in p:  # move lambda off its init, and make it differ per head
+        p = {"log_lam": p["log_lam"] + jnp.linspace(-0.3, 0.3, h)}
+    return p
+
+
+def _close(a, b, tol, what):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = max(1.0, float(np.max(np.abs(b))))
+    err = float(np.max(np.abs(a - b)))
+    assert err <= tol * scale, f"{what}: max abs diff {err:.3g} > {tol} * {scale:.3g}"
+    return err
+
+
+# --------------------------------------------------------------------------- numpy oracles
+
+
+def _np(x):
+    return np.asarray(x, np.float64)
+
+
+def _laplace_np(x, y, lam):
+    """x [B,N,H,D], y [B,M,H,D], lam [H] -> [B,H,N,M]."""
+    dist = np.abs(x[:, :, None] - y[:, None, :]).sum(-1)  # [B, N, M, H]
+    return np.exp(-dist.transpose(0, 3, 1, 2) / lam[None, :, None, None])
+
+
+def _gauss_np(x, y):
+    d = x.shape[-1]
+    x, y = x * d**-0.25, y * d**-0.25
+    sq = ((x[:, :, None] - y[:, None, :]) ** 2).sum(-1).transpose(0, 3, 1, 2)
+    return np.exp(-0.5 * sq)
+
+
+def _softmax_np(x, y, col_valid=None):
+    logits = np.einsum("bnhd,bmhd->bhnm", x, y) / math.sqrt(x.shape[-1])
+    if col_valid is not None:
+        logits = np.where(col_valid[:, None, None, :], logits, -np.inf)
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _apply(w, v):
+    return np.einsum("bhij,bjhd->bihd", w, v)
+
+
+def _whiten_np(c):
+    """Column whitening over the query axis (-2) of c [B,H,T,L]."""
+    mu, var = c.mean(-2, keepdims=True), c.var(-2, keepdims=True)
+    return (c - mu) / np.sqrt(var + ny.WHITEN_EPS)
+
+
+def _injective_np(w, v):
+    """out_i = mean_j v_j + (1/n) sum_j (w_ij - mean_j w_ij) v_j  (no mask)."""
+    n = w.shape[-1]
+    return _np(v).mean(1)[:, None] + _apply(w - w.mean(-1, keepdims=True), v) / n
+
+
+# --------------------------------------------------------------------------- fast path vs reference
+
+
+@pytest.mark.parametrize("name,cfg", CASES, ids=IDS)
+def test_linear_path_matches_materialised_reference(name, cfg):
+    """O(T m) path == the T x T materialised C_q A^+ C_k, forward and gradients, with a
+    mask and T = 11 not divisible by m = 4. Tolerances are relative to the largest
+    entry: the plain "row" ablation can have near-zero denominators (effective weights
+    of magnitude ~60 here), which amplify rounding alike in both forms."""
+    mech = la.get(name).bind(num_landmarks=4, **cfg)
+    q, k, v = _inputs(0, tq=11)
+    mask = jnp.arange(11)[None, :] < jnp.array([11, 8])[:, None]
+    cot = jax.random.normal(jax.random.key(42), v.shape[:3] + (4,)) * mask[:, :, None, None]
+    params = _params(name)
+
+    def run(fn):
+        def loss(q, k, v, params):
+            out = fn(q, k, v, params, mask=mask)
+            return jnp.sum(out * cot), out
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, params)
+
+    (gf, out_f), (gr, out_r) = run(mech.attention), run(mech.reference)
+    _close(out_f, out_r, _TOL_LINEAR[cfg.get("normalize")], "output")
+    for what, a, b in zip(("q", "k", "v", "params"), gf, gr):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            assert np.all(np.isfinite(x))
+            tol = 10 * _TOL_LINEAR[cfg.get("normalize")]
+            _close(x, y, tol * max(1.0, float(np.max(np.abs(y)))), f"grad {what}")
+    if name == "laplacian":
+        assert float(jnp.max(jnp.abs(gf[3]["log_lam"]))) > 1e-4  # lambda is really learnt
+
+
+# --------------------------------------------------------------------------- m = T: the full kernel
+
+
+def test_laplacian_m_equals_t_is_full_laplace_kernel():
+    """Landmarks = tokens and an exact inverse: laplacian is the quadratic computation on
+    the full Laplace kernel matrix K, in both normalisations:
+    row: K V / K 1;  injective: w_i = whiten(K)_i (since A = C_q = C_k = K)."""
+    q, k, v = _inputs(1, tq=8)
+    params = _params("laplacian")
+    kmat = _laplace_np(_np(q), _np(k), np.exp(_np(params["log_lam"])))
+    want = {
+        "row": _apply(kmat / kmat.sum(-1, keepdims=True), _np(v)),
+        "injective": _injective_np(_whiten_np(kmat), _np(v)),
+    }
+    errs = {}
+    for norm, inverse, iters in (
+        ("row", "exact", 20),
+        ("injective", "exact", 20),
+        ("row", "iterative", 60),
+        ("injective", "iterative", 60),
+    ):
+        out = ny.laplacian_attention(
+            q, k, v, params, num_landmarks=8, eps=0.0, normalize=norm, inverse=inverse,
+            ns_iters=iters,
+        )  # fmt: skip
+        errs[norm, inverse] = _close(out, want[norm], 2e-4, f"{norm} {inverse}")
+    print("laplacian m=T max abs err:", errs)
+
+
+def test_soft_m_equals_t_is_full_gaussian_kernel():
+    """soft with landmarks = tokens: C_q A^+ C_k = K (tied: K = Gaussian(q^, q^)), so
+    out = K V ("none") and K V / K 1 ("row"); k is unused when tied."""
+    q, k, v = _inputs(2, tq=8)
+    kmat = _gauss_np(_np(q), _np(q))
+    errs = {}
+    for norm, want in (
+        ("none", _apply(kmat, _np(v))),
+        ("row", _apply(kmat / kmat.sum(-1, keepdims=True), _np(v))),
+    ):
+        for inverse, iters in (("exact", 20), ("iterative", 60)):
+            out = ny.soft_attention(
+                q, k * 7.0, v, {}, num_landmarks=8, eps=0.0, normalize=norm, inverse=inverse,
+                ns_iters=iters,
+            )  # fmt: skip
+            errs[norm, inverse] = _close(out, want, 2e-4, f"{norm} {inverse}")
+    # Untied: the key side is k, and with m = T the estimate is the full K(q^, k^).
+    kmat = _gauss_np(_np(q), _np(k))
+    out = ny.soft_attention(q, k, v, {}, num_landmarks=8, eps=0.0, inverse="exact", tie_qk=False)
+    errs["untied"] = _close(out, _apply(kmat, _np(v)), 2e-4, "untied")
+    print("soft m=T max abs err:", errs)
+
+
+def test_nystromformer_m_equals_t_is_softmax_attention():
+    """Landmarks = tokens: C_q = A = C_k = softmax(Q K^T / sqrt d) =: S, and S S^+ S = S.
+    Exact pinv and 20 iterations are tight; the paper's 6 iterations are measured."""
+    q, k, v = _inputs(3, tq=8, scale=0.7)
+    want = _apply(_softmax_np(_np(q), _np(k)), _np(v))
+    exact = ny.nystromformer_attention(q, k, v, {}, num_landmarks=8, inverse="exact")
+    err_exact = _close(exact, want, 1e-4, "exact pinv")
+    err_20 = _close(
+        ny.nystromformer_attention(q, k, v, {}, num_landmarks=8, ns_iters=20), want, 1e-4, "20 it"
+    )
+    err_6 = float(
+        np.max(np.abs(_np(ny.nystromformer_attention(q, k, v, {}, num_landmarks=8)) - want))
+    )
+    print(f"nystromformer m=T max abs err: exact {err_exact:.2e}, 20 it {err_20:.2e}, ", end="")
+    print(f"6 it {err_6:.2e}")
+    assert err_6 < 0.1  # measured ~1e-2: the 6-step iteration has not fully converged
+    assert err_20 < err_6
+
+
+def test_segment_landmarks_match_numpy_nystrom():
+    """General m: the library equals the textbook Nystrom formula from explicitly computed
+    segment-mean landmarks (T = 10, m = 4: segments of sizes 3, 2, 3, 2)."""
+    q, k, v = _inputs(4, b=1, tq=10)
+    params = _params("laplacian")
+    seg = np.array([0, 0, 0, 1, 1, 2, 2, 2, 3, 3])  # floor(r * 4 / 10)
+    onehot = (seg[:, None] == np.arange(4)).astype(np.float64)
+    avg = onehot / onehot.sum(0)
+    ql, kl = np.einsum("tl,bthd->blhd", avg, _np(q)), np.einsum("tl,bthd->blhd", avg, _np(k))
+    lam = np.exp(_np(params["log_lam"]))
+    cq, a, ck = _laplace_np(_np(q), kl, lam), _laplace_np(ql, kl, lam), _laplace_np(ql, _np(k), lam)
+    w = cq @ np.linalg.inv(a) @ ck
+    out = ny.laplacian_attention(
+        q, k, v, params, num_landmarks=4, eps=0.0, inverse="exact", normalize="row"
+    )
+    _close(out, _apply(w / w.sum(-1, keepdims=True), _np(v)), 2e-4, "laplacian row, m=4")
+    wi = _whiten_np(cq) @ np.linalg.inv(a) @ ck
+    out = ny.laplacian_attention(q, k, v, params, num_landmarks=4, eps=0.0, inverse="exact")
+    _close(out, _injective_np(wi, v), 2e-4, "laplacian injective, m=4")
+    # nystromformer: softmax kernels, output C_q A^+ C_k V.
+    s = lambda x, y: _softmax_np(x, y)  # noqa: E731
+    w = s(_np(q), kl) @ np.linalg.pinv(s(ql, kl)) @ s(ql, _np(k))
+    out = ny.nystromformer_attention(q, k, v, {}, num_landmarks=4, inverse="exact")
+    _close(out, _apply(w, _np(v)), 2e-4, "nystromformer, m=4")
+
+
+# --------------------------------------------------------------------------- injectivity
+
+
+def test_injective_separates_queries_that_row_normalisation_merges():
+    """Queries a, b with q_b = q_a + 1 * e_0 beyond every key in coordinate 0 have
+    |q_b - k_j|_1 = |q_a - k_j|_1 + 1 for every key (and every key landmark), so
+    kappa(q_b, .) = exp(-1/lam) kappa(q_a, .): a shift in log space that row
+    normalisation removes. "row" gives them the same output; "injective" does not."""
+    q, k, v = _inputs(5, b=1, tq=12)
+    k = k.at[..., 0].set(jnp.tanh(k[..., 0]))  # keys in (-1, 1) along coordinate 0
+    q = q.at[0, 4].set(q[0, 3]).at[0, 3, :, 0].set(2.0).at[0, 4, :, 0].set(3.0)
+    params = _params("laplacian")
+    cfg = dict(num_landmarks=4)
+    row = ny.laplacian_attention(q, k, v, params, normalize="row", **cfg)
+    inj = ny.laplacian_attention(q, k, v, params, normalize="injective", **cfg)
+    same = float(jnp.max(jnp.abs(row[0, 3] - row[0, 4])))
+    diff = float(jnp.min(jnp.max(jnp.abs(inj[0, 3] - inj[0, 4]), axis=-1)))  # per head
+    print(f"row: |out_a - out_b| = {same:.2e}; injective: min over heads {diff:.2e}")
+    assert same < 1e-5
+    assert diff > 1e-2
+    # The effective row weights coincide too under "row", and differ under "injective".
+    wr = ny.laplacian_weights(q, k, params, normalize="row", **cfg)
+    wi = ny.laplacian_weights(q, k, params, normalize="injective", **cfg)
+    assert float(jnp.max(jnp.abs(wr[0, :, 3] - wr[0, :, 4]))) < 1e-5
+    assert float(jnp.min(jnp.max(jnp.abs(wi[0, :, 3] - wi[0, :, 4]), axis=-1))) > 1e-3
+
+
+def test_injective_weights_rows_sum_to_one():
+    q, k, v = _inputs(6, tq=11, scale=0.8)
+    mask = jnp.arange(11)[None, :] < jnp.array([11, 6])[:, None]
+    params = _params("laplacian")
+    w = ny.laplacian_weights(q, k, params, mask=mask, num_landmarks=4)
+    _close(jnp.sum(w, -1), jnp.ones(w.shape[:-1]), 1e-5, "row sums")
+    assert float(jnp.max(jnp.abs(jnp.where(mask[:, None, None, :], 0.0, w)))) == 0.0
+    # and they are the weights of the output
+    out = ny.laplacian_attention(q, k, v, params, mask=mask, num_landmarks=4)
+    _close(out, jnp.einsum("bhij,bjhd->bihd", w, v), 1e-5, "weights @ v")
+
+
+# --------------------------------------------------------------------------- masks
+
+
+@pytest.mark.parametrize("name,cfg", CASES, ids=IDS)
+def test_masked_keys_change_nothing(name, cfg):
+    """Padded rows (valid lengths 7 and 3 of T = 10, m = 4: T and 7 not divisible by m,
+    and 3 < m) equal the runs on the unpadded sequences on the valid positions; padding
+    holds large garbage. A row with every key masked returns zeros."""
+    mech = la.get(name).bind(num_landmarks=4, **cfg)
+    params = _params(name)
+    t, lengths = 10, (7, 3)
+    q, k, v = _inputs(7, tq=t)
+    fn = jax.jit(mech.attention)
+    for row, n in enumerate(lengths):
+        mask = jnp.zeros((1, t), bool).at[:, :n].set(True)
+        junk = 50.0 * jnp.ones((1, t - n, H, D))
+        qp = q[row : row + 1].at[:, n:].set(junk)
+        kp = k[row : row + 1].at[:, n:].set(-junk)
+        vp = v[row : row + 1].at[:, n:].set(1e3)
+        padded = fn(qp, kp, vp, params, mask=mask)
+        plain = fn(q[row : row + 1, :n], k[row : row + 1, :n], v[row : row + 1, :n], params)
+        _close(padded[:, :n], plain, 2e-5, f"{name} valid length {n}")
+    empty = fn(q, k, v, params, mask=jnp.zeros((2, t), bool))
+    assert float(jnp.max(jnp.abs(empty))) == 0.0
+
+
+def test_cross_attention_key_mask():
+    """Tq != Tk (key mask only; queries have no mask): padded keys change nothing."""
+    q, k, v = _inputs(8, b=1, tq=6, tk=9)
+    for name, cfg in (("laplacian", {}), ("soft", {"tie_qk": False}), ("nystromformer", {})):
+        mech = la.get(name).bind(num_landmarks=4, **cfg)
+        params = _params(name)
+        mask = jnp.arange(9)[None, :] < 5
+        padded = mech.attention(q, k.at[:, 5:].set(30.0), v.at[:, 5:].set(1e3), params, mask=mask)
+        plain = mech.attention(q, k[:, :5], v[:, :5], params)
+        _close(padded, plain, 2e-5, name)
+
+
+# --------------------------------------------------------------------------- grid landmarks
+
+
+def test_grid_landmarks_on_image_with_cls_token():
+    """T = 1 + 8 * 8 (a CLS token then an 8 x 8 image), grid=(8, 8), m = 16: the landmarks
+    are 2 x 2 average pools (4 x 4 grid) of the image tokens, the CLS token excluded.
+    Oracle: soft (tied, symmetric PSD A, so (A + eps I)^-1 is well conditioned)."""
+    q, k, v = _inputs(9, b=1, tq=65, scale=0.7)
+    img = _np(q)[:, 1:].reshape(1, 4, 2, 4, 2, H, D)
+    ql = img.mean((2, 4)).reshape(1, 16, H, D)
+    qq = _np(q)
+    w = _gauss_np(qq, ql) @ np.linalg.inv(_gauss_np(ql, ql) + 0.01 * np.eye(16))
+    w = w @ _gauss_np(ql, qq)
+    out = ny.soft_attention(q, k, v, {}, num_landmarks=16, grid=(8, 8), inverse="exact")
+    _close(out, _apply(w, _np(v)), 1e-4, "grid soft")
+    # Every mechanism runs with the grid, its linear path equal to its reference.
+    for name, c in CASES:
+        mech = la.get(name).bind(num_landmarks=16, grid=(8, 8), **c)
+        p = _params(name)
+        a, r = jax.jit(mech.attention)(q, k, v, p), jax.jit(mech.reference)(q, k, v, p)
+        assert a.shape == (1, 65, H, 4)
+        _close(a, r, _TOL_LINEAR[c.get("normalize")], f"{name} grid")
+
+
+# --------------------------------------------------------------------------- transforms, dtypes
+
+
+@pytest.mark.parametrize("name", ["nystromformer", "soft", "laplacian"])
+def test_jit_vmap_grad_checkpoint(name):
+    mech = la.get(name).bind(num_landmarks=4)
+    params = _params(name)
+    q, k, v = _inputs(10, tq=9)
+    mask = jnp.arange(9)[None, :] < jnp.array([9, 5])[:, None]
+    eager = mech.attention(q, k, v, params, mask=mask)
+    jitted = jax.jit(mech.attention)(q, k, v, params, mask=mask)
+    _close(jitted, eager, 1e-5, "jit vs eager")
+    # vmap over an extra leading axis == stacking the per-slice calls
+    qs, ks, vs = (jnp.stack([x, 0.5 * x]) for x in (q, k, v))
+    batched = jax.vmap(lambda a, b, c: mech.attention(a, b, c, params, mask=mask))(qs, ks, vs)
+    _close(batched[1], mech.attention(qs[1], ks[1], vs[1], params, mask=mask), 1e-5, "vmap")
+    _close(batched[0], eager, 1e-5, "vmap")
+
+    def loss(q, k, v, params):
+        f = jax.checkpoint(lambda *a: mech.attention(*a, mask=mask))
+        return jnp.sum(f(q, k, v, params) ** 2)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, params)
+    for g in jax.tree.leaves(grads):
+        assert np.all(np.isfinite(g))
+    assert float(jnp.max(jnp.abs(grads[0]))) > 0
+    if name == "laplacian":
+        assert float(jnp.max(jnp.abs(grads[3]["log_lam"]))) > 0
+
+
+@pytest.mark.parametrize("name,cfg", CASES, ids=IDS)
+def test_bf16_and_large_norms(name, cfg):
+    """bf16 inputs: bf16 output, finite, close to the fp32 run on the same (rounded)
+    values; inputs of norm up to 1e2: finite outputs and gradients."""
+    mech = la.get(name).bind(num_landmarks=4, **cfg)
+    params = _params(name)
+    q, k, v = _inputs(11, tq=9, scale=0.5, dtype=jnp.bfloat16)
+    out = mech.attention(q, k, v, params)
+    assert out.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(out, np.float32)))
+    ref = mech.attention(*(x.astype(jnp.float32) for x in (q, k, v)), params)
+    _close(out, ref, 2e-2, "bf16 vs fp32")
+    for scale in (10.0, 100.0 / math.sqrt(D)):  # per-token norms up to ~1e2
+        q, k, v = _inputs(12, tq=9, scale=scale)
+
+        def loss(q, k, v, params):
+            return jnp.sum(mech.attention(q, k, v, params) ** 2)
+
+        val, grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, params)
+        assert np.isfinite(float(val)), f"scale {scale}"
+        for g in jax.tree.leaves(grads):
+            assert np.all(np.isfinite(g)), f"grad at scale {scale}"
+
+
+# --------------------------------------------------------------------------- API and errors
+
+
+def test_registry_params_and_fixed_lambda():
+    assert {"nystromformer", "soft", "laplacian"} <= set(la.names())
+    for name in ("nystromformer", "soft", "laplacian"):
+        mech = la.get(name)
+        assert not mech.supports_causal and not mech.stochastic
+        assert mech.fixed_params() == frozenset()
+    p = la.get("laplacian").init(jax.random.key(0), num_heads=3, head_dim=16)
+    np.testing.assert_allclose(p["log_lam"], np.full(3, math.log(4.0)), rtol=1e-6)
+    assert la.get("laplacian").init(jax.random.key(0), num_heads=3, head_dim=16, lam=2.0) == {}
+    # A fixed lam equals the learnable one set to the same value.
+    q, k, v = _inputs(13, tq=8)
+    fixed = ny.laplacian_attention(q, k, v, {}, lam=1.5, num_landmarks=4)
+    learn = ny.laplacian_attention(
+        q, k, v, {"log_lam": jnp.full((H,), math.log(1.5))}, num_landmarks=4
+    )
+    _close(fixed, learn, 1e-5, "fixed lam")
+
+
+def test_errors():
+    q, k, v = _inputs(14, tq=8)
+    p = _params("laplacian")
+    for name in ("nystromformer", "soft", "laplacian"):
+        mech = la.get(name)
+        pp = _params(name)
+        with pytest.raises(NotImplementedError, match=name):
+            mech.attention(q, k, v, pp, causal=True)
+        for bad in (
+            {"num_landmarks": 0},
+            {"ns_iters": 0},
+            {"inverse": "svd"},
+            {"grid": (0, 4)},
+            {"grid": [2, 2]},
+            {"grid": (4, 4)},  # 16 > T = 8
+        ):
+            with pytest.raises(ValueError, match=name):
+                mech.attention(q, k, v, pp, **bad)
+    for name in ("soft", "laplacian"):
+        pp = _params(name)
+        for bad in ({"normalize": "x"}, {"eps": -1.0}, {"impl": "cuda"}):
+            with pytest.raises(ValueError, match=name):
+                la.get(name).attention(q, k, v, pp, **bad)
+    with pytest.raises(ValueError, match="normalize"):
+        ny.soft_attention(q, k, v, {}, normalize="injective")
+    with pytest.raises(ValueError, match="tie_qk"):  # SOFT ties k := q, so Tq == Tk
+        ny.soft_attention(q, k[:, :5], v[:, :5], {})
+    with pytest.raises(ValueError, match="lam"):
+        ny.laplacian_attention(q, k, v, {}, lam=-1.0)
+    with pytest.raises(ValueError, match="log_lam"):
+        ny.laplacian_attention(q, k, v, {})
+    with pytest.raises(ValueError, match="log_lam"):  # lam fixed but params carry log_lam
+        ny.laplacian_attention(q, k, v, p, lam=1.0)
+    with pytest.raises(ValueError, match=r"k \(2, 8, 1, 8\)"):
+        ny.nystromformer_attention(q, k[:, :, :1], v, {})
