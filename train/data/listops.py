@@ -281,7 +281,7 @@ def encode(expression: str, seq_len: int) -> np.ndarray:
 
 
 def encode_many(expressions: Iterable[str], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of many expressions: (uint8 ``[N, seq_len]``, untruncated lengths int32 ``[N]``)."""
+    """Token ids of many expressions: (uint8 ``[N, seq_len]``, full lengths int32 ``[N]``)."""
     rows, lengths = [], []
     for e in expressions:
         ids = _LUT[_compact_bytes(e)]
@@ -316,7 +316,7 @@ def read_tsv(path: str | os.PathLike) -> tuple[list[str], np.ndarray]:
                 continue
             parts = line.split("\t")
             if len(parts) != 2:
-                raise ValueError(f"{path}:{lineno}: expected 'Source<TAB>Target', got {line[:80]!r}")
+                raise ValueError(f"{path}:{lineno}: expected 'Source<TAB>Target': {line[:80]!r}")
             expressions.append(parts[0])
             try:
                 labels.append(int(parts[1]))
@@ -400,7 +400,7 @@ def build_task(cfg: Mapping[str, Any]) -> Task:
                 "config.lra_dir to its lra_release/ folder (or config.listops_dir to the folder "
                 "holding basic_train.tsv, basic_val.tsv, basic_test.tsv).\n"
                 "  Or use the generated data: config.source='generated' (the default), made "
-                f"by: python -m train.data.prepare listops --data_dir DIR [--variant mini]",
+                "by: python -m train.data.prepare listops --data_dir DIR [--variant mini]",
             )
         splits, info = _read_dir(found, seq_len)
         info["source"] = "lra"

@@ -60,6 +60,7 @@ from .pipeline import ArraySource, LazySource, Task
 VOCAB_SIZE = 256
 NUM_CLASSES = 2
 LINK_RADIUS = 2
+_BLOCK = 4096  # images generated together
 SPLITS = ("train", "val", "test")
 DIFFICULTY_DIRS = {
     "easy": "curv_baseline",
@@ -102,7 +103,7 @@ class PathfinderSpec:
             raise ValueError(f"gap must be in [0, 2) pixels so dashes stay linked, got {self.gap}")
         for name in ("num_train", "num_val", "num_test"):
             if getattr(self, name) % 2:
-                raise ValueError(f"{name} must be even (balanced labels), got {getattr(self, name)}")
+                raise ValueError(f"{name} must be even (balanced), got {getattr(self, name)}")
 
     def cache_name(self) -> str:
         return (
@@ -268,8 +269,16 @@ def generate(spec: PathfinderSpec) -> dict[str, dict[str, np.ndarray]]:
     for i, (split, n) in enumerate(zip(SPLITS, sizes, strict=True)):
         rng = np.random.default_rng(np.random.SeedSequence([spec.seed, i]))
         labels = rng.permutation(np.arange(n) % 2).astype(np.uint8)
-        images, markers = generate_images(spec, labels, rng)
-        out[split] = {"images": images, "labels": labels, "markers": markers}
+        # blocks of _BLOCK images bound the memory of the vectorised placement
+        parts = [generate_images(spec, labels[i : i + _BLOCK], rng) for i in range(0, n, _BLOCK)]
+        size = spec.image_size
+        images = np.concatenate([p[0] for p in parts]) if parts else np.zeros((0, size, size))
+        markers = np.concatenate([p[1] for p in parts]) if parts else np.zeros((0, 2, 2))
+        out[split] = {
+            "images": images.astype(np.uint8),
+            "labels": labels,
+            "markers": markers.astype(np.int32),
+        }
     return out
 
 
@@ -358,7 +367,9 @@ def prepare(data_dir: str | os.PathLike, spec: PathfinderSpec, *, overwrite: boo
     meta = {
         "spec": dataclasses.asdict(spec),
         "generation_seconds": round(seconds, 3),
-        "label_counts": {s: np.bincount(a["labels"], minlength=2).tolist() for s, a in splits.items()},
+        "label_counts": {
+            s: np.bincount(a["labels"], minlength=2).tolist() for s, a in splits.items()
+        },
     }
     tmp = out / f".spec.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(meta, indent=1))

@@ -77,7 +77,9 @@ class LazySource:
     AAN pairs, released Pathfinder PNGs). ``indices`` selects a subset (``None``: all).
     """
 
-    def __init__(self, raw: Any, fn: Callable[[Any], Example], indices: Sequence[int] | None = None):
+    def __init__(
+        self, raw: Any, fn: Callable[[Any], Example], indices: Sequence[int] | None = None
+    ):
         self.raw = raw
         self.fn = fn
         self.indices = None if indices is None else np.asarray(indices, dtype=np.int64)
@@ -163,7 +165,7 @@ class Task:
     def source(self, split: str) -> Source:
         """The random-access source of ``split``; a clear error names the known splits."""
         if split not in self.splits:
-            raise KeyError(f"task {self.name!r} has no split {split!r}; splits: {list(self.splits)}")
+            raise KeyError(f"task {self.name!r} has no split {split!r}; has {list(self.splits)}")
         return self.splits[split]
 
     def num_examples(self, split: str) -> int:
