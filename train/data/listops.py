@@ -136,10 +136,19 @@ def generate_compact(spec: ListOpsSpec) -> list[str]:
     # be an operator, and drawing it as one directly only skips trees LRA would reject.
     force_root = spec.min_length >= 1
     seen: dict[str, None] = {}
+    stale = 0  # draws since the last new example: bounds the loop for impossible specs
     while len(seen) < spec.num_examples:
         out: list[str] = []
+        stale += 1
         if grow(1, out, force_root) and spec.min_length < len(out) < max_length:
+            before = len(seen)
             seen.setdefault("".join(out), None)
+            stale = 0 if len(seen) > before else stale
+        if stale > 1_000_000:
+            raise RuntimeError(
+                f"found only {len(seen)} unique ListOps expressions of the "
+                f"{spec.num_examples} requested with {spec}; widen the length bounds"
+            )
     return list(seen)
 
 

@@ -320,12 +320,19 @@ def endpoints_connected(
 
 
 def save_grid(
-    path: str | os.PathLike, images: np.ndarray, labels: np.ndarray, *, cols: int = 8
+    path: str | os.PathLike,
+    images: np.ndarray,
+    labels: np.ndarray,
+    *,
+    cols: int = 8,
+    scale: int = 1,
 ) -> np.ndarray:
     """Save images ([N, H, W] uint8) as one PNG grid with a label bar; returns the array.
 
     Each tile gets a 1-pixel border and a 2-pixel bar under it: white for label 1
-    (connected), dark grey for label 0.
+    (connected), dark grey for label 0. ``scale`` enlarges every pixel to a
+    ``scale x scale`` block (for display); the saved grid is ``[rows * (H + 4) * scale,
+    cols * (W + 2) * scale]``.
     """
     from PIL import Image
 
@@ -340,6 +347,7 @@ def save_grid(
         grid[r * th + h + 2 : r * th + h + 4, c * tw + 1 : c * tw + 1 + w] = (
             255 if labels[i] else 40
         )
+    grid = np.repeat(np.repeat(grid, scale, axis=0), scale, axis=1)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(grid, mode="L").save(path)
     return grid

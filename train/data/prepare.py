@@ -26,12 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", choices=("mini", "full"), default="full")
     parser.add_argument("--data_seed", type=int, default=0, help="generator seed")
     parser.add_argument("--overwrite", action="store_true", help="regenerate an existing cache")
+    for split in ("train", "val", "test"):
+        parser.add_argument(f"--num_{split}", type=int, help=f"override the {split} size")
     parser.add_argument(
         "--examples", metavar="PNG", help="pathfinder: also save a grid of 32 test images here"
     )
     args = parser.parse_args(argv)
     name = ALIASES.get(args.task, args.task)
     cfg = {"data_dir": args.data_dir, "variant": args.variant, "data_seed": args.data_seed}
+    cfg.update({k: getattr(args, k) for k in ("num_train", "num_val", "num_test")})
 
     if name in GENERATED:
         module = GENERATED[name]
@@ -44,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"label counts: {meta['label_counts']}")
         if args.examples and name == "pathfinder":
             test = pathfinder.load_generated(out)["test"]
-            pathfinder.save_grid(args.examples, test["images"][:32], test["labels"][:32])
+            images, labels = test["images"][:32], test["labels"][:32]
+            pathfinder.save_grid(args.examples, images, labels, scale=3)
             print(f"example grid (bar under each image: white = connected) -> {args.examples}")
         return 0
 
