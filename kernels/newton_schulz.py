@@ -167,7 +167,8 @@ def _check(name: str, a, iters, eps) -> None:
 
 def _regularise(a, eps: float):
     m = a.shape[-1]
-    return a.astype(jnp.float32) + eps * jnp.eye(m, dtype=jnp.float32)
+    eye = jnp.eye(m, dtype=jnp.float32).reshape((1,) * (a.ndim - 2) + (m, m))
+    return a.astype(jnp.float32) + eps * eye
 
 
 def newton_schulz_inverse(
