@@ -21,13 +21,15 @@ then ``C_q (.)``. Cost O((Tq + Tk) m d + m^3).
   independent. Output ``C_q Z (C_k V)``.
 * ``soft`` (Lu et al. 2021): Gaussian kernel ``exp(-|q^ - k^|^2 / 2)`` with
   ``x^ = x d^(-1/4)``. As in SOFT the key side is tied to the queries
-  (``tie_qk=True``, the default: the kernel is evaluated on q for both sides,
-  so `k` is used only for validation and gets a zero gradient; v is still the
-  values; needs ``Tq == Tk``); ``tie_qk=False`` evaluates the key side on k
-  (cross-attention). ``A^+`` by Newton-Schulz (`kernels.newton_schulz_inverse`,
-  ``P = A + eps I``). Output ``C_q A^+ (C_k V)`` with no normalisation, as in
-  SOFT (``normalize="none"``, the default) or divided by the same estimate of
-  the row sums (``normalize="row"``).
+  (k := q): with ``tie_qk="auto"`` (the default) the kernel is evaluated on q for
+  both sides whenever ``Tq == Tk`` (taken as self-attention, like the mask rule
+  below; `k` is then used only for validation and gets a zero gradient; v is
+  still the values) and on k when ``Tq != Tk`` (cross-attention: nothing to tie);
+  ``tie_qk=True`` always ties (needs ``Tq == Tk``), ``tie_qk=False`` never does.
+  ``A^+`` by Newton-Schulz (`kernels.newton_schulz_inverse`, ``P = A + eps I``).
+  Output ``C_q A^+ (C_k V)`` with no normalisation, as in SOFT
+  (``normalize="none"``, the default), or divided by the same estimate of the
+  row sums (``normalize="row"``).
 * ``laplacian`` (LaplacianFormer): Laplace kernel ``exp(-|q - k|_1 / lambda)``
   on the raw q, k, lambda > 0 per head: learnable (``params["log_lam"] [H]``,
   init ``log sqrt(d)``) when the config ``lam`` is None (the default), or the
@@ -427,15 +429,18 @@ def _soft(
         normalize=(normalize, _SOFT_NORMALIZE),
     )
     _check_impl(_SOFT, impl)
-    if tie_qk and q.shape[1] != k.shape[1]:
+    if not (tie_qk is True or tie_qk is False or tie_qk == "auto"):
+        raise ValueError(f"{_SOFT}: tie_qk must be True, False or 'auto', got {tie_qk!r}")
+    if tie_qk is True and q.shape[1] != k.shape[1]:
         raise ValueError(
             f"{_SOFT}: tie_qk=True evaluates the key side of the kernel on q (as SOFT), which "
-            f"needs Tq == Tk; got q {q.shape}, k {k.shape}. Pass tie_qk=False for "
+            f"needs Tq == Tk; got q {q.shape}, k {k.shape}. Pass tie_qk='auto' or False for "
             "cross-attention."
         )
+    tie = tie_qk is True or (tie_qk == "auto" and q.shape[1] == k.shape[1])
     _check_grid_fits(_SOFT, grid, q, k)
     qx = core.scale_inputs(q)
-    kx = qx if tie_qk else core.scale_inputs(k)
+    kx = qx if tie else core.scale_inputs(k)
     invert = _inverter(inverse, _SOFT, ns_iters, eps, impl, interpret)
     return _nystrom(
         qx,
@@ -473,7 +478,7 @@ def soft_attention(
     grid=None,
     inverse="iterative",
     normalize="none",
-    tie_qk=True,
+    tie_qk="auto",
     impl="auto",
     interpret=False,
 ):
@@ -487,7 +492,9 @@ def soft_attention(
       inverse: ``"iterative"`` (Newton-Schulz) or ``"exact"`` (``pinv(A + eps I)``).
       normalize: ``"none"`` (SOFT: ``C_q A^+ C_k V``) or ``"row"`` (divided by
         ``C_q A^+ C_k 1``, guarded).
-      tie_qk: evaluate the key side of the kernel on q (SOFT); needs Tq == Tk.
+      tie_qk: ``"auto"`` (default): evaluate the key side of the kernel on q (SOFT)
+        when ``Tq == Tk``, on k otherwise; ``True``: always on q (needs Tq == Tk);
+        ``False``: always on k.
       impl, interpret: passed to `kernels.newton_schulz_inverse`.
     """
     del params, rng, deterministic
@@ -514,7 +521,7 @@ def soft_reference(
     grid=None,
     inverse="iterative",
     normalize="none",
-    tie_qk=True,
+    tie_qk="auto",
     impl="auto",
     interpret=False,
 ):
@@ -539,7 +546,7 @@ def soft_weights(
     grid=None,
     inverse="iterative",
     normalize="none",
-    tie_qk=True,
+    tie_qk="auto",
     impl="auto",
     interpret=False,
 ):

@@ -303,7 +303,7 @@ def test_masked_keys_change_nothing(name, cfg):
 def test_cross_attention_key_mask():
     """Tq != Tk (key mask only; queries have no mask): padded keys change nothing."""
     q, k, v = _inputs(8, b=1, tq=6, tk=9)
-    for name, cfg in (("laplacian", {}), ("soft", {"tie_qk": False}), ("nystromformer", {})):
+    for name, cfg in (("laplacian", {}), ("soft", {}), ("nystromformer", {})):
         mech = la.get(name).bind(num_landmarks=4, **cfg)
         params = _params(name)
         mask = jnp.arange(9)[None, :] < 5
@@ -436,7 +436,9 @@ def test_errors():
     with pytest.raises(ValueError, match="normalize"):
         ny.soft_attention(q, k, v, {}, normalize="injective")
     with pytest.raises(ValueError, match="tie_qk"):  # SOFT ties k := q, so Tq == Tk
-        ny.soft_attention(q, k[:, :5], v[:, :5], {})
+        ny.soft_attention(q, k[:, :5], v[:, :5], {}, tie_qk=True)
+    with pytest.raises(ValueError, match="tie_qk"):
+        ny.soft_attention(q, k, v, {}, tie_qk="yes")
     with pytest.raises(ValueError, match="lam"):
         ny.laplacian_attention(q, k, v, {}, lam=-1.0)
     with pytest.raises(ValueError, match="log_lam"):
