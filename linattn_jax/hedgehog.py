@@ -26,7 +26,7 @@ def init(rng, *, num_heads: int, head_dim: int):
 
 def feature_map(x, params):
     """``[B, T, H, d] -> [B, T, H, 2d]`` float32, positive, each half summing to 1."""
-    a = jnp.einsum("bthd,hed->bthe", x.astype(jnp.float32), params["w"]) + params["b"]
+    a = jnp.einsum("bthd,hed->bthe", x.astype(jnp.float32), params["w"]) + params["b"][None, None]
     return jnp.concatenate([jax.nn.softmax(a, axis=-1), jax.nn.softmax(-a, axis=-1)], axis=-1)
 
 

@@ -73,9 +73,11 @@ class MultiHeadAttention(nn.Module):
             return mu.split_params(mech, params)[which]
 
         trainable = self.param("mechanism", init_split, 0)
-        fixed = self.variable(
-            "fixed", "mechanism", lambda: init_split(self.make_rng("params"), 1)
-        ).value
+        fixed = {}
+        if mech.fixed_params():
+            fixed = self.variable(
+                "fixed", "mechanism", lambda: init_split(self.make_rng("params"), 1)
+            ).value
         deterministic = self.deterministic if deterministic is None else deterministic
         rng = None
         if mech.stochastic and not deterministic:

@@ -31,7 +31,10 @@ def orthogonal_features(rng, num_heads: int, num_features: int, head_dim: int):
     n_blocks = -(-num_features // head_dim)
     k_q, k_n = jax.random.split(rng)
     g = jax.random.normal(k_q, (num_heads, n_blocks, head_dim, head_dim), jnp.float32)
-    qmat, _ = jnp.linalg.qr(g)  # columns orthonormal
+    qmat, r = jnp.linalg.qr(g)  # columns orthonormal
+    # Fix the sign convention of the QR (sign(diag R) > 0) so that Q is Haar-distributed;
+    # without it the columns are not uniform on the sphere and the estimator is biased.
+    qmat = qmat * jnp.sign(jnp.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
     rows = jnp.swapaxes(qmat, -1, -2).reshape(num_heads, n_blocks * head_dim, head_dim)
     rows = rows[:, :num_features]
     norms = jnp.linalg.norm(
@@ -46,7 +49,7 @@ def init(rng, *, num_heads: int, head_dim: int, num_features: int = 256):
     return {"features": orthogonal_features(rng, num_heads, num_features, head_dim)}
 
 
-def feature_map(x, features, *, is_query: bool, mask=None):
+def feature_map(x, features, *, is_query: bool, mask=None, stabilize: bool = True):
     """FAVOR+ features ``[B, T, H, d] -> [B, T, H, M]`` float32.
 
     Args:
@@ -54,11 +57,15 @@ def feature_map(x, features, *, is_query: bool, mask=None):
       features: ``[H, M, d]`` random features W.
       is_query: stabilise per token (queries) or over all unmasked keys (keys).
       mask: ``[B, T]`` key mask, used for the key stabiliser only.
+      stabilize: subtract the detached max c (False gives the raw estimator
+        features, whose dot products estimate ``exp(q.k / sqrt(d))`` directly).
     """
     xh = core.scale_inputs(x)
     wx = jnp.einsum("bthd,hmd->bthm", xh, features.astype(jnp.float32))
     logits = wx - 0.5 * jnp.sum(xh * xh, axis=-1, keepdims=True)
-    if is_query:
+    if not stabilize:
+        c = jnp.zeros((), jnp.float32)
+    elif is_query:
         c = jnp.max(logits, axis=-1, keepdims=True)
     else:
         valid = core.key_mask(mask, x.shape[1], x.shape[0])[:, :, None, None]

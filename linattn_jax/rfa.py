@@ -25,15 +25,18 @@ from linattn_jax.registry import Mechanism, register
 GATE_BIAS_INIT = 2.0
 
 
-def init(rng, *, num_heads: int, head_dim: int, num_features: int = 128):
-    """``features [H, M, d]`` (fixed draw), ``sigma [H, d]``, ``gate_w [H, d]``, ``gate_b [H]``."""
+def init(rng, *, num_heads: int, head_dim: int, num_features: int = 128, gate: bool = False):
+    """``features [H, M, d]`` (fixed draw), ``sigma [H, d]``; with `gate` also
+    ``gate_w [H, d]`` (init 0) and ``gate_b [H]`` (init `GATE_BIAS_INIT`)."""
     _checks.check_positive("rfa", num_features=num_features)
-    return {
+    params = {
         "features": jax.random.normal(rng, (num_heads, num_features, head_dim), jnp.float32),
         "sigma": jnp.ones((num_heads, head_dim), jnp.float32),
-        "gate_w": jnp.zeros((num_heads, head_dim), jnp.float32),
-        "gate_b": jnp.full((num_heads,), GATE_BIAS_INIT, jnp.float32),
     }
+    if gate:
+        params["gate_w"] = jnp.zeros((num_heads, head_dim), jnp.float32)
+        params["gate_b"] = jnp.full((num_heads,), GATE_BIAS_INIT, jnp.float32)
+    return params
 
 
 def _unit(x):
@@ -55,9 +58,10 @@ def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate,
     _checks.check_rng("rfa", rng, deterministic)
     h, d = q.shape[2], q.shape[3]
     m = params["features"].shape[1] if params["features"].ndim == 3 else -1
-    _checks.check_params(
-        "rfa", params, {"features": (h, m, d), "sigma": (h, d), "gate_w": (h, d), "gate_b": (h,)}
-    )
+    expected = {"features": (h, m, d), "sigma": (h, d)}
+    if gate:
+        expected.update(gate_w=(h, d), gate_b=(h,))
+    _checks.check_params("rfa", params, expected)
     if gate and not causal:
         raise ValueError("rfa: gate=True is the causal recurrence; it needs causal=True")
     features = None
@@ -67,7 +71,7 @@ def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate,
     phi_k = feature_map(k, params, features)
     log_decay = None
     if gate:
-        a = jnp.einsum("bthd,hd->bth", _unit(k), params["gate_w"]) + params["gate_b"]
+        a = jnp.einsum("bthd,hd->bth", _unit(k), params["gate_w"]) + params["gate_b"][None, None, :]
         log_decay = jax.nn.log_sigmoid(a)  # log g_t
         phi_k = phi_k * jax.nn.sigmoid(-a)[..., None]  # (1 - g_t) phi(k_t)
     return core.attend(

@@ -25,7 +25,7 @@ def attention_weights(q, k, *, mask=None, causal: bool = False):
     if mask is not None:
         valid = valid & mask[:, None, None, :]
     if causal:
-        valid = valid & jnp.tril(jnp.ones(logits.shape[-2:], bool))
+        valid = valid & jnp.tril(jnp.ones(logits.shape[-2:], bool))[None, None]
     logits = jnp.where(valid, logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)

@@ -1,0 +1,135 @@
+"""Mechanism-specific properties of the baselines: performer, rfa, hedgehog, softmax."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers import init, qkv, rel_err
+
+import linattn_jax as la
+from linattn_jax import performer, rfa
+
+
+def test_softmax_matches_jax_dot_product_attention():
+    q, k, v = qkv(tq=7, tk=9)
+    mask = jnp.ones((2, 9), bool).at[1, 5:].set(False)
+    out = la.get("softmax").attention(q, k, v, {}, mask=mask)
+    ref = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, None, :])
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    out_c = la.get("softmax").attention(q[:, :7], k[:, :7], v[:, :7], {}, causal=True)
+    ref_c = jax.nn.dot_product_attention(q[:, :7], k[:, :7], v[:, :7], is_causal=True)
+    np.testing.assert_allclose(out_c, ref_c, rtol=1e-5, atol=1e-6)
+
+
+def test_orthogonal_features_are_orthogonal_in_blocks():
+    w = performer.orthogonal_features(jax.random.key(0), 2, 20, 8)  # blocks of 8, 8, 4 rows
+    assert w.shape == (2, 20, 8)
+    for h in range(2):
+        for lo, hi in ((0, 8), (8, 16), (16, 20)):
+            block = w[h, lo:hi]
+            gram = block @ block.T
+            np.testing.assert_allclose(gram - jnp.diag(jnp.diag(gram)), 0.0, atol=1e-4)
+
+
+def test_performer_kernel_estimate_is_unbiased():
+    """E[phi(q) . phi(k)] = exp(q.k / sqrt(d)), checked against the Monte-Carlo error."""
+    d, m, n = 8, 16, 4000
+    q, k, _ = qkv(seed=3, b=1, tq=3, tk=3, h=1, d=d, scale=0.6)
+    target = jnp.exp(jnp.sum(q * k, axis=-1) / jnp.sqrt(d))[0, :, 0]  # pairs (q_i, k_i)
+
+    def estimate(rng):
+        w = performer.orthogonal_features(rng, 1, m, d)
+        fq = performer.feature_map(q, w, is_query=True, stabilize=False)
+        fk = performer.feature_map(k, w, is_query=False, stabilize=False)
+        return jnp.sum(fq * fk, axis=-1)[0, :, 0]
+
+    draws = jax.vmap(estimate)(jax.random.split(jax.random.key(0), n))  # [n, 3]
+    mean, se = draws.mean(0), draws.std(0) / np.sqrt(n)
+    z = np.abs(mean - target) / se
+    print("performer kernel estimate: target", target, "mean", mean, "z", z)
+    assert np.all(z < 4.0)
+    assert np.all(se < 0.05 * target)  # the test has power: SE is small vs the target
+
+
+def test_performer_error_falls_with_num_features():
+    """Output error vs softmax falls ~ M^(-1/2): each 4x more features roughly halves it."""
+    q, k, v = qkv(seed=5, b=2, tq=32, tk=32, h=2, d=16, scale=0.5)
+    exact = la.get("softmax").attention(q, k, v, {})
+    errs = []
+    for m in (16, 64, 256, 1024):
+        mech = la.get("performer").bind(num_features=m)
+        e = [
+            rel_err(mech.attention(q, k, v, init(mech, d=16), jax.random.key(s)), exact)
+            for s in range(6)
+        ]
+        errs.append(np.mean(e))
+    ratios = np.array(errs[:-1]) / np.array(errs[1:])
+    print("performer error vs M=16,64,256,1024:", errs, "ratios", ratios)
+    # Ideal ratio 2 (the MC rate); orthogonal features and 6 seeds put it within [1.4, 3].
+    assert np.all(ratios > 1.4) and np.all(ratios < 3.0)
+
+
+def test_performer_redraws_unless_deterministic():
+    mech = la.get("performer").bind(num_features=16)
+    q, k, v = qkv()
+    params = init(mech)
+    a = mech.attention(q, k, v, params, jax.random.key(1))
+    b = mech.attention(q, k, v, params, jax.random.key(2))
+    assert not np.allclose(a, b)
+    w = params["features"]
+    d1 = mech.attention(q, k, v, params, jax.random.key(1), deterministic=True)
+    fq = performer.feature_map(q, w, is_query=True)
+    fk = performer.feature_map(k, w, is_query=False)
+    np.testing.assert_allclose(d1, la.core.quadratic_reference(fq, fk, v), rtol=1e-5, atol=1e-6)
+
+
+def test_rfa_kernel_is_gaussian_on_the_sphere():
+    """E[phi(q).phi(k)] = exp(-|sigma (q^ - k^)|^2 / 2) for unit q^, k^."""
+    d, m, n = 8, 16, 3000
+    q, k, _ = qkv(seed=2, b=1, tq=3, tk=3, h=1, d=d)
+    params = init(la.get("rfa").bind(num_features=m), h=1, d=d)
+    params["sigma"] = jnp.full((1, d), 0.8)
+    qu = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
+    ku = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    target = jnp.exp(-0.5 * jnp.sum((0.8 * (qu - ku)) ** 2, -1))[0, :, 0]
+
+    def estimate(r):
+        w = jax.random.normal(r, (1, m, d))
+        return jnp.sum(rfa.feature_map(q, params, w) * rfa.feature_map(k, params, w), -1)[0, :, 0]
+
+    draws = jax.vmap(estimate)(jax.random.split(jax.random.key(1), n))
+    z = np.abs(draws.mean(0) - target) / (draws.std(0) / np.sqrt(n))
+    assert np.all(z < 4.0), z
+
+
+@pytest.mark.parametrize("t,chunk", [(10, 4), (8, 8), (1, 2)])
+def test_rfa_gated_causal_matches_reference(t, chunk):
+    mech = la.get("rfa").bind(num_features=8, gate=True, chunk_size=chunk)
+    q, k, v = qkv(tq=t, tk=t)
+    params = init(mech)
+    params["gate_w"] = jax.random.normal(jax.random.key(4), params["gate_w"].shape)
+
+    def f(fn, q, k, v, p):
+        return fn(q, k, v, p, deterministic=True, causal=True)
+
+    np.testing.assert_allclose(
+        f(mech.attention, q, k, v, params), f(mech.reference, q, k, v, params), atol=1e-5
+    )
+    ga = jax.grad(lambda p: f(mech.attention, q, k, v, p).sum())(params)
+    gr = jax.grad(lambda p: f(mech.reference, q, k, v, p).sum())(params)
+    for key in ("gate_w", "gate_b", "sigma"):
+        np.testing.assert_allclose(ga[key], gr[key], rtol=1e-3, atol=1e-5)
+    assert jnp.any(ga["gate_w"] != 0)
+    with pytest.raises(ValueError, match="causal"):
+        mech.attention(q, k, v, params, deterministic=True)
+
+
+def test_hedgehog_features_and_identity_init():
+    mech = la.get("hedgehog")
+    params = init(mech, d=8)
+    np.testing.assert_array_equal(params["w"][0], jnp.eye(8))
+    q, _, _ = qkv()
+    phi = la.hedgehog.feature_map(q, params)
+    assert phi.shape == (2, 12, 2, 16) and jnp.all(phi > 0)
+    np.testing.assert_allclose(phi[..., :8].sum(-1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(phi[..., :8], jax.nn.softmax(q, axis=-1), rtol=1e-5)

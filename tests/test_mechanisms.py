@@ -1,0 +1,182 @@
+"""Properties every registered mechanism keeps (SPEC section 3)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers import init, mech, qkv, rel_err
+
+import linattn_jax as la
+
+NAMES = la.names()
+CAUSAL = la.causal_names()
+RNG = jax.random.key(7)
+
+
+def _run(m, q, k, v, params, **kw):
+    kw.setdefault("deterministic", True)
+    return m.attention(q, k, v, params, RNG, **kw)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_shape_dtype_and_jit(name, dtype):
+    m = mech(name)
+    q, k, v = qkv(tq=9, tk=12, dv=6, dtype=dtype)
+    params = init(m)
+    out = _run(m, q, k, v, params, deterministic=False)
+    assert out.shape == (2, 9, 2, 6) and out.dtype == dtype
+    jitted = jax.jit(lambda q, k, v, p, r: m.attention(q, k, v, p, r))(q, k, v, params, RNG)
+    np.testing.assert_allclose(
+        jitted.astype(jnp.float32), out.astype(jnp.float32), rtol=1e-2, atol=1e-2
+    )
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(jitted, out, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_close_to_f32(name):
+    m = mech(name)
+    q, k, v = qkv(tk=12)
+    params = init(m)
+    q16, k16, v16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    out16 = _run(m, q16, k16, v16, params)
+    out32 = _run(m, *(x.astype(jnp.float32) for x in (q16, k16, v16)), params)
+    assert jnp.all(jnp.isfinite(out16.astype(jnp.float32)))
+    # bf16 keeps 8 bits of mantissa: the output rounding alone is ~4e-3 relative.
+    assert rel_err(out16, out32) < 2e-2
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_vmap_over_leading_axis(name):
+    m = mech(name)
+    q, k, v = qkv(b=1)
+    qs, ks, vs = (jnp.stack([x, 0.5 * x, -x]) for x in (q, k, v))
+    params = init(m)
+    batched = jax.vmap(lambda q, k, v: _run(m, q, k, v, params))(qs, ks, vs)
+    for i in range(3):
+        np.testing.assert_allclose(
+            batched[i], _run(m, qs[i], ks[i], vs[i], params), rtol=1e-4, atol=1e-5
+        )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_grads_finite_and_checkpoint(name):
+    m = mech(name)
+    q, k, v = qkv()
+    params = init(m)
+
+    def loss(q, k, v, p):
+        return jnp.sum(jnp.sin(m.attention(q, k, v, p, RNG)))
+
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, params)
+    for g in jax.tree_util.tree_leaves(grads):
+        assert jnp.all(jnp.isfinite(g))
+    trainable = set(params) - m.fixed_params()
+    for key in trainable:  # every learnable param receives gradient
+        assert jnp.any(grads[3][key] != 0), key
+    remat = jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3))(q, k, v, params)
+    for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(remat)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_padded_keys_change_nothing(name):
+    m = mech(name)
+    q, k, v = qkv(b=1, tq=10, tk=10)
+    params = init(m)
+    pad = 5
+    kp = jnp.concatenate([k, 30.0 * jnp.ones((1, pad, 2, 8))], axis=1)
+    vp = jnp.concatenate([v, 100.0 * jnp.ones((1, pad, 2, 8))], axis=1)
+    mask = jnp.arange(10 + pad)[None] < 10
+    qp = q
+    if name in ("soft", "lara", "nystromformer", "laplacian", "ra"):
+        # Self-attention padding: these use the mask on the query side too (landmarks,
+        # tied q/k), so pad q like k and compare the valid positions.
+        qp = jnp.concatenate([q, 30.0 * jnp.ones((1, pad, 2, 8))], axis=1)
+    padded = _run(m, qp, kp, vp, params, mask=mask)[:, :10]
+    plain = _run(m, q, k, v, params)
+    np.testing.assert_allclose(padded, plain, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fully_masked_rows_are_zero(name):
+    m = mech(name)
+    q, k, v = qkv()
+    mask = jnp.array([[False] * 12, [True] * 12])
+    out = _run(m, q, k, v, init(m), mask=mask, deterministic=False)
+    assert jnp.all(out[0] == 0.0)
+    assert jnp.all(jnp.isfinite(out))
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_causal_ignores_the_future(name):
+    m = mech(name, chunk_size=4) if "chunk_size" in la.get(name).defaults else mech(name)
+    q, k, v = qkv(tq=11, tk=11)
+    params = init(m)
+    out = _run(m, q, k, v, params, causal=True)
+    t0 = 6  # change every key/value after position t0: outputs up to t0 must not move
+    k2, v2 = k.at[:, t0 + 1 :].mul(-3.0), v.at[:, t0 + 1 :].add(5.0)
+    out2 = _run(m, q, k2, v2, params, causal=True)
+    np.testing.assert_allclose(out2[:, : t0 + 1], out[:, : t0 + 1], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(out2[:, t0 + 1 :], out[:, t0 + 1 :])
+
+
+@pytest.mark.parametrize("name", [n for n in CAUSAL if la.get(n).reference_fn is not None])
+@pytest.mark.parametrize("t,chunk", [(11, 4), (12, 4), (1, 4)])
+def test_causal_chunked_equals_reference(name, t, chunk):
+    m = mech(name)
+    if "chunk_size" not in m.defaults:
+        pytest.skip(f"{name} has no chunked path")
+    q, k, v = qkv(tq=t, tk=t)
+    params = init(m)
+    mask = jnp.ones((2, t), bool).at[1, t // 2 :].set(t == 1)
+
+    def f(fn, q, k, v, p):
+        return fn(q, k, v, p, RNG, mask=mask, causal=True, deterministic=True)
+
+    fast = f(lambda *a, **kw: m.attention(*a, chunk_size=chunk, **kw), q, k, v, params)
+    ref = f(m.reference, q, k, v, params)
+    np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-5)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(jnp.sin(f(fn, *a)))
+
+    fast_fn = lambda *a, **kw: m.attention(*a, chunk_size=chunk, **kw)  # noqa: E731
+    g_fast = jax.grad(loss(fast_fn), argnums=(0, 1, 2, 3))(q, k, v, params)
+    g_ref = jax.grad(loss(m.reference), argnums=(0, 1, 2, 3))(q, k, v, params)
+    for a, b in zip(jax.tree_util.tree_leaves(g_fast), jax.tree_util.tree_leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if la.get(n).stochastic])
+def test_stochastic_rng_semantics(name):
+    m = mech(name)
+    q, k, v = qkv()
+    params = init(m)
+    with pytest.raises(ValueError, match="rng"):
+        m.attention(q, k, v, params, None, deterministic=False)
+    det1 = m.attention(q, k, v, params, None, deterministic=True)
+    det2 = m.attention(q, k, v, params, jax.random.key(3), deterministic=True)
+    np.testing.assert_array_equal(det1, det2)
+    s1 = m.attention(q, k, v, params, jax.random.key(1))
+    s1b = m.attention(q, k, v, params, jax.random.key(1))
+    s2 = m.attention(q, k, v, params, jax.random.key(2))
+    np.testing.assert_array_equal(s1, s1b)
+    assert not np.allclose(s1, s2)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_large_norms_finite(name):
+    m = mech(name)
+    q, k, v = qkv()
+    # Rescale every token to norm 100.
+    q = 100.0 * q / jnp.linalg.norm(q, axis=-1, keepdims=True)
+    k = 100.0 * k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    params = init(m)
+    out, grads = jax.value_and_grad(
+        lambda q, k, v, p: jnp.sum(m.attention(q, k, v, p, RNG) ** 2), argnums=(0, 1, 2, 3)
+    )(q, k, v, params)
+    assert jnp.isfinite(out)
+    for g in jax.tree_util.tree_leaves(grads):
+        assert jnp.all(jnp.isfinite(g))

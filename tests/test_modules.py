@@ -1,0 +1,174 @@
+"""Flax NNX and Linen modules for every mechanism."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers import SMALL_CONFIG
+from flax import nnx
+
+import linattn_jax as la
+from linattn_jax import linen as la_linen
+from linattn_jax import nn as la_nn
+
+F, H = 16, 4  # width, heads -> head_dim 4
+D = F // H
+
+# Trainable mechanism params per mechanism, as documented in each module (M = num_features).
+MECH_PARAMS = {
+    "softmax": 0,
+    "linear_elu": 0,
+    "performer": 0,  # features are fixed, not trained
+    "rfa": H * D,  # sigma
+    "hedgehog": H * D * D + H * D,
+    "flexformer_s": H * 32 * D,
+    "flexformer_n": 2 * H * 32 * D + H,
+}
+
+
+def _x(t=10, seed=0):
+    return jax.random.normal(jax.random.key(seed), (2, t, F))
+
+
+def _count(tree):
+    return sum(x.size for x in jax.tree_util.tree_leaves(tree))
+
+
+@pytest.mark.parametrize("name", la.names())
+def test_nnx_init_apply(name):
+    causal = la.get(name).supports_causal
+    layer = la_nn.MultiHeadAttention(
+        H, F, attention=name, attention_config=SMALL_CONFIG.get(name), rngs=nnx.Rngs(0, attention=1)
+    )
+    mask = jnp.ones((2, 10), bool).at[1, 7:].set(False)
+    y = layer(_x(), mask=mask, causal=causal)
+    assert y.shape == (2, 10, F) and jnp.all(jnp.isfinite(y))
+    n = _count(nnx.state(layer, nnx.Param))
+    projections = 4 * (F * F + F)
+    mech_trainable = _count(
+        {k: v for k, v in layer.mechanism_params().items() if k not in layer.mech.fixed_params()}
+    )
+    assert n == projections + mech_trainable
+    if name in MECH_PARAMS:
+        assert mech_trainable == MECH_PARAMS[name]
+    fixed = nnx.state(layer, la_nn.FixedFeatures)
+    assert {k for k, _ in jax.tree_util.tree_flatten_with_path(fixed)[0]} or not (
+        layer.mech.fixed_params()
+    )
+
+
+@pytest.mark.parametrize("name", la.names())
+def test_linen_init_apply(name):
+    causal = la.get(name).supports_causal
+    layer = la_linen.MultiHeadAttention(
+        num_heads=H, attention=name, attention_config=tuple(SMALL_CONFIG.get(name, {}).items())
+    )
+    x = _x()
+    variables = layer.init({"params": jax.random.key(0), "attention": jax.random.key(1)}, x)
+    y = layer.apply(variables, x, causal=causal, rngs={"attention": jax.random.key(2)})
+    assert y.shape == (2, 10, F) and jnp.all(jnp.isfinite(y))
+    n = _count(variables["params"])
+    mech_trainable = _count(variables["params"]["mechanism"])
+    assert n == 4 * (F * F + F) + mech_trainable
+    if name in MECH_PARAMS:
+        assert mech_trainable == MECH_PARAMS[name]
+    assert set(variables.get("fixed", {}).get("mechanism", {})) == set(
+        la.get(name).bind(**SMALL_CONFIG.get(name, {})).fixed_params()
+    )
+    specs = nn.get_partition_spec(variables)["params"]
+    assert tuple(specs["query"]["kernel"]) == ("embed", "heads", "kv")
+    assert tuple(specs["out"]["kernel"]) == ("heads", "kv", "embed")
+
+
+def test_nnx_attention_stream_changes_performer_only_when_stochastic():
+    layer = la_nn.MultiHeadAttention(
+        H,
+        F,
+        attention="performer",
+        attention_config={"num_features": 16},
+        rngs=nnx.Rngs(0, attention=1),
+    )
+    x = _x()
+    a, b = layer(x), layer(x)  # the stream advances between calls: fresh features
+    assert not np.allclose(a, b)
+    d1, d2 = layer(x, deterministic=True), layer(x, deterministic=True)
+    np.testing.assert_array_equal(d1, d2)
+    # An explicit key reproduces a call.
+    np.testing.assert_array_equal(
+        layer(x, rngs=jax.random.key(5)), layer(x, rngs=jax.random.key(5))
+    )
+
+
+def test_nnx_redraw_replaces_fixed_features():
+    layer = la_nn.MultiHeadAttention(
+        H, F, attention="performer", attention_config={"num_features": 16}, rngs=nnx.Rngs(0)
+    )
+    x = _x()
+    before = layer(x, deterministic=True)
+    old = layer.mechanism["features"][...]
+    layer.redraw(jax.random.key(9))
+    assert not np.allclose(old, layer.mechanism["features"][...])
+    assert not np.allclose(before, layer(x, deterministic=True))
+
+
+def test_linen_attention_stream():
+    layer = la_linen.MultiHeadAttention(
+        num_heads=H, attention="performer", attention_config=(("num_features", 16),)
+    )
+    x = _x()
+    v = layer.init({"params": jax.random.key(0)}, x, deterministic=True)
+    a = layer.apply(v, x, rngs={"attention": jax.random.key(1)})
+    b = layer.apply(v, x, rngs={"attention": jax.random.key(2)})
+    assert not np.allclose(a, b)
+    d1 = layer.apply(v, x, deterministic=True, rngs={"attention": jax.random.key(1)})
+    d2 = layer.apply(v, x, deterministic=True, rngs={"attention": jax.random.key(2)})
+    np.testing.assert_array_equal(d1, d2)
+
+
+@pytest.mark.parametrize("name", [n for n in ("flexformer_s", "flexformer_n") if n in la.names()])
+def test_gradients_reach_spectral_params_through_module(name):
+    layer = la_linen.MultiHeadAttention(
+        num_heads=H, attention=name, attention_config=(("num_features", 8),)
+    )
+    x = _x()
+    v = layer.init({"params": jax.random.key(0)}, x)
+    g = jax.grad(lambda p: jnp.sum(layer.apply({"params": p}, x, causal=True) ** 2))(v["params"])
+    for key, val in g["mechanism"].items():
+        assert jnp.all(jnp.isfinite(val)) and jnp.any(val != 0), key
+
+    model = la_nn.MultiHeadAttention(
+        H, F, attention=name, attention_config={"num_features": 8}, rngs=nnx.Rngs(0)
+    )
+    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+    for key, val in grads["mechanism"].items():
+        assert jnp.any(val[...] != 0), key
+
+
+@pytest.mark.parametrize("name", ["softmax", "linear_elu"])
+def test_attention_fn_adapter_in_flax_mhdpa(name):
+    mha = nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=la_linen.attention_fn(name))
+    ref = nn.MultiHeadDotProductAttention(num_heads=2)
+    x = _x()
+    pad = jnp.ones((2, 10), bool).at[1, 6:].set(False)
+    mask = nn.make_attention_mask(pad, pad)
+    variables = ref.init(jax.random.key(0), x)
+    y = mha.apply(variables, x, mask=mask)
+    assert y.shape == x.shape
+    if name == "softmax":  # identical to flax's own attention on the valid queries
+        y_ref = ref.apply(variables, x, mask=mask)
+        np.testing.assert_allclose(y[0], y_ref[0], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(y[1, :6], y_ref[1, :6], rtol=1e-5, atol=1e-5)
+    nnx_mha = nnx.MultiHeadAttention(
+        num_heads=2,
+        in_features=F,
+        attention_fn=la_nn.attention_fn(name),
+        decode=False,
+        rngs=nnx.Rngs(0),
+    )
+    assert nnx_mha(x, mask=mask).shape == x.shape
+
+
+def test_attention_fn_rejects_mechanisms_with_params():
+    with pytest.raises(ValueError, match="has params"):
+        la_linen.attention_fn("hedgehog")
