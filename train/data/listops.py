@@ -4,8 +4,10 @@ Rules (LRA's ``lra_benchmarks/data/listops.py``, re-implemented):
 
 * A tree node at depth ``d`` (the root has ``d = 1``) is an operator only if
   ``d < max_depth``, and then only with probability ``value_p`` (0.25); otherwise it is a
-  digit ``0..9``. So trees are at most ``max_depth`` (10) levels deep counting the leaf
-  level, i.e. at most ``max_depth - 1`` nested operators.
+  digit ``0..9``. (The name is LRA's ``VALUE_P``; its code makes a *digit* when
+  ``random() > VALUE_P``, so 0.25 is the operator probability.) So trees are at most
+  ``max_depth`` (10) levels deep counting the leaf level, i.e. at most
+  ``max_depth - 1`` nested operators.
 * An operator is one of ``[MIN [MAX [MED [SM`` (SM = sum mod 10) applied to
   ``2..max_args`` (10) arguments, closed by ``]``.
 * Length = number of tokens once the parentheses are dropped (operators, digits and
@@ -39,7 +41,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +76,7 @@ class ListOpsSpec:
     max_length: int = 2000  # exclusive upper bound on the token count
     max_depth: int = 10
     max_args: int = 10
-    value_p: float = 0.25  # probability that a node above the depth cap is an operator
+    value_p: float = 0.25  # LRA's VALUE_P: P(operator) for a node above the depth cap
     num_train: int = 96_000
     num_val: int = 2_000
     num_test: int = 2_000
@@ -289,17 +291,15 @@ def encode(expression: str, seq_len: int) -> np.ndarray:
     return out
 
 
-def encode_many(expressions: Iterable[str], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+def encode_many(expressions: Sequence[str], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of many expressions: (uint8 ``[N, seq_len]``, full lengths int32 ``[N]``)."""
-    rows, lengths = [], []
-    for e in expressions:
+    out = np.zeros((len(expressions), seq_len), dtype=np.uint8)
+    lengths = np.zeros((len(expressions),), dtype=np.int32)
+    for i, e in enumerate(expressions):
         ids = _LUT[_compact_bytes(e)]
-        lengths.append(len(ids))
-        row = np.zeros((seq_len,), dtype=np.uint8)
-        row[: min(len(ids), seq_len)] = ids[:seq_len]
-        rows.append(row)
-    out = np.stack(rows) if rows else np.zeros((0, seq_len), dtype=np.uint8)
-    return out, np.asarray(lengths, dtype=np.int32)
+        lengths[i] = len(ids)
+        out[i, : min(len(ids), seq_len)] = ids[:seq_len]
+    return out, lengths
 
 
 def write_tsv(path: str | os.PathLike, expressions: Sequence[str], labels: Sequence[int]) -> None:
@@ -315,9 +315,8 @@ def write_tsv(path: str | os.PathLike, expressions: Sequence[str], labels: Seque
     os.replace(tmp, path)
 
 
-def read_tsv(path: str | os.PathLike) -> tuple[list[str], np.ndarray]:
-    """Read an LRA ListOps TSV: (expressions as written, int32 labels). Header optional."""
-    expressions, labels = [], []
+def _iter_tsv(path: str | os.PathLike) -> Iterator[tuple[str, int]]:
+    """Yield ``(expression, label)`` from an LRA ListOps TSV (header line optional)."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             line = line.rstrip("\r\n")
@@ -326,12 +325,35 @@ def read_tsv(path: str | os.PathLike) -> tuple[list[str], np.ndarray]:
             parts = line.split("\t")
             if len(parts) != 2:
                 raise ValueError(f"{path}:{lineno}: expected 'Source<TAB>Target': {line[:80]!r}")
-            expressions.append(parts[0])
             try:
-                labels.append(int(parts[1]))
+                yield parts[0], int(parts[1])
             except ValueError as e:
                 raise ValueError(f"{path}:{lineno}: target {parts[1]!r} is not an int") from e
-    return expressions, np.asarray(labels, dtype=np.int32)
+
+
+def read_tsv(path: str | os.PathLike) -> tuple[list[str], np.ndarray]:
+    """Read an LRA ListOps TSV: (expressions as written, int32 labels)."""
+    rows = list(_iter_tsv(path))
+    return [e for e, _ in rows], np.asarray([y for _, y in rows], dtype=np.int32)
+
+
+def load_tsv(path: str | os.PathLike, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tokenise an LRA ListOps TSV while streaming it (the text is never held whole).
+
+    Returns (ids uint8 ``[N, seq_len]``, untruncated token counts int32 ``[N]``, labels
+    int32 ``[N]``).
+    """
+    with open(path, "rb") as f:
+        upper = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 24), b"")) + 1
+    ids = np.zeros((upper, seq_len), dtype=np.uint8)
+    lengths = np.zeros((upper,), dtype=np.int32)
+    labels = np.zeros((upper,), dtype=np.int32)
+    n = 0
+    for n, (expression, label) in enumerate(_iter_tsv(path), 1):
+        row = _LUT[_compact_bytes(expression)]
+        lengths[n - 1], labels[n - 1] = len(row), label
+        ids[n - 1, : min(len(row), seq_len)] = row[:seq_len]
+    return ids[:n].copy(), lengths[:n], labels[:n]
 
 
 # ----------------------------------------------------------------------------- cache
@@ -382,8 +404,7 @@ def _read_dir(directory: Path, seq_len: int) -> tuple[dict[str, ArraySource], di
     splits, info = {}, {"files": {}, "label_counts": {}, "truncated": {}, "max_tokens": {}}
     for split in SPLITS:
         path = directory / LRA_FILES[split]
-        exprs, labels = read_tsv(path)
-        ids, lengths = encode_many(exprs, seq_len)
+        ids, lengths, labels = load_tsv(path, seq_len)
         splits[split] = ArraySource({"inputs": ids, "targets": labels.astype(np.uint8)})
         info["files"][split] = str(path)
         info["label_counts"][split] = np.bincount(labels, minlength=NUM_CLASSES).tolist()

@@ -6,15 +6,20 @@ on two different contours. Sequence models read the image flattened row-major, p
 values 0..255 as tokens (``vocab_size = 256``, ``seq_len = H * W``).
 
 Our generator (numpy only, vectorised across images) follows the shape of Linsley et
-al.'s generator with LRA's pathfinder32 settings (paddle length 2, marker radius 1.5,
-distractors a third of the contour length, one pixel margins) but is our own, simpler
-construction:
+al.'s generator as LRA configured it for pathfinder32 (marker radius 1.5, one-pixel
+paddle margins, distractors a third of the contour length, 20 // that many of them) but
+is our own, simpler construction:
 
-* A contour is a chain of ``contour_length`` **dashes**; that is the unit of length (LRA's
-  "contour length 14" = 14 paddles: our hard setting). Each dash is a straight segment of
-  ``dash_length`` pixels (2) followed by a gap of ``gap`` pixels (1) in the same direction;
-  the direction turns by a uniform angle in ``[-max_turn, max_turn]`` (30 degrees) between
-  dashes. Pixels are the dash points rounded to the grid (1 pixel thick, value 255).
+* A contour is a chain of ``contour_length`` **dashes**; the dash is the unit of contour
+  length, like Linsley's paddles (LRA: 6 = easy, 9 = intermediate, 14 = hard; our full
+  default is 14). Each dash is a straight segment of ``dash_length`` pixels (1.0) followed
+  by a gap of ``gap`` pixels (1.5) in the same direction, so a dash advances 2.5 px and a
+  14-dash contour is 35 px of arc; the direction turns by a uniform angle in
+  ``[-max_turn, max_turn]`` (45 degrees) between dashes. Pixels are the dash points
+  rounded to the grid (1 pixel thick, value 255). (LRA's paddles are 2 px; shorter dashes
+  let two 14-dash contours and the distractors fit in 32x32 with the spacing below.) A
+  contour is drawn first and then moved to a uniformly random position where it fits.
+  The ``mini`` variant: 16x16 images (256 tokens), 5-dash contours, 2 distractors of 2.
 * Every image has two main contours of ``contour_length`` dashes and up to
   ``num_distractors`` distractor contours of ``distractor_length`` dashes. Positive: the
   markers (disks of radius 1.5 px, a 3x3 block) sit on both ends of main contour A.
