@@ -114,12 +114,13 @@ def _project(xh, omega):
 def _stabilised_norm_factor(s, *, is_query, mask):
     """``exp(s - c)`` with the detached c; `s` is ``[B, T, H, 1]``."""
     if is_query:
-        c = s
-    else:
-        b, t = s.shape[:2]
-        valid = core.key_mask(mask, t, b)[:, :, None, None]
-        c = core.masked_max(s, valid, axis=1)  # [B, 1, H, 1]
-    return jnp.exp(s - lax.stop_gradient(c))
+        return jnp.exp(s - lax.stop_gradient(s))  # == 1: cancels from the ratio anyway
+    b, t = s.shape[:2]
+    valid = core.key_mask(mask, t, b)[:, :, None, None]
+    c = lax.stop_gradient(core.masked_max(s, valid, axis=1))  # [B, 1, H, 1]
+    # Masked keys get factor 0 before the exp: a large masked key must not overflow
+    # (inf * 0 = NaN when the core zeroes it).
+    return jnp.exp(jnp.where(valid, s - c, -jnp.inf))
 
 
 def _trig_s(xh, omega):
@@ -139,7 +140,9 @@ def _log_norm_s(xh):
 
 def _log_norm_n(x, tau):
     x = x.astype(_f32)
-    return jnp.sum(x * x, axis=-1, keepdims=True) * jnp.exp(-tau)[:, None]  # |x|^2 / exp(tau)
+    return (
+        jnp.sum(x * x, axis=-1, keepdims=True) * jnp.exp(-tau)[None, None, :, None]
+    )  # |x|^2 / exp(tau)
 
 
 def feature_map_s(x, params, *, is_query: bool, mask=None):

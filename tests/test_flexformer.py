@@ -1,0 +1,414 @@
+"""Tests for flexformer_s and flexformer_n (linattn_jax/flexformer.py)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import linattn_jax as la
+from linattn_jax import core
+from linattn_jax import flexformer as ff
+
+NAMES = ("flexformer_s", "flexformer_n")
+FREQ_KEYS = {"flexformer_s": ("omega",), "flexformer_n": ("omega1", "omega2")}
+FMAP = {"flexformer_s": ff.feature_map_s, "flexformer_n": ff.feature_map_n}
+# Fast path vs quadratic reference, keyed by dtype: (forward, gradients).
+TOL = {jnp.float32: (2e-5, 1e-4), jnp.bfloat16: (2e-2, None)}
+
+
+def _inputs(key, b=2, t=12, h=2, d=8, dv=4, scale=0.5, dtype=jnp.float32):
+    kq, kk, kv = jax.random.split(key, 3)
+    q = scale * jax.random.normal(kq, (b, t, h, d))
+    k = scale * jax.random.normal(kk, (b, t, h, d))
+    v = jax.random.normal(kv, (b, t, h, dv))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def _mask(b, t, seed=99):
+    m = jax.random.bernoulli(jax.random.key(seed), 0.7, (b, t))
+    return m.at[:, 0].set(True)  # every causal query sees at least one key
+
+
+def _params(name, key, h=2, d=8, m=16):
+    """Params moved off the init point (omega1 != omega2, tau != log(2 sqrt d)), so tests
+    see the generic non-stationary case."""
+    p = la.get(name).init(key, num_heads=h, head_dim=d, num_features=m)
+    if name == "flexformer_n":
+        k1, k2 = jax.random.split(jax.random.fold_in(key, 1))
+        p = {
+            "omega1": p["omega1"],
+            "omega2": p["omega2"] + 0.3 * jax.random.normal(k1, p["omega2"].shape),
+            "tau": p["tau"] + 0.2 * jax.random.normal(k2, p["tau"].shape),
+        }
+    return p
+
+
+def _close(a, b, tol, what):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    scale = max(1.0, float(np.max(np.abs(b))))
+    err = float(np.max(np.abs(a - b)))
+    assert err <= tol * scale, f"{what}: max abs diff {err:.3g} > {tol} * {scale:.3g}"
+
+
+# --------------------------------------------------------------------------- init / kernel
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("init_method", ["gaussian", "orthogonal"])
+def test_kernel_unbiased_at_init(name, init_method):
+    """E[phi~(q) . phi~(k)] = exp(q.k / sqrt d) over independent inits, within 4 MC standard
+    errors; frequencies scaled by 1.2 (a biased estimator) are rejected by the same test."""
+    d, m, n = 8, 16, 2000
+    kq, kn = jax.random.split(jax.random.key(0))
+    q = jax.random.normal(kq, (1, 4, 1, d))
+    q = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
+    k = 0.6 * q + 0.8 * jax.random.normal(kn, q.shape) / math.sqrt(d)
+    norms = jnp.array([0.5, 1.0, 1.5, 2.0])[None, :, None, None]
+    q, k = q * norms, k * norms * 0.8
+    target = np.exp(np.sum(np.asarray(q * k), -1) / math.sqrt(d))[0, :, 0]  # [4]
+    mech = la.get(name)
+
+    def estimates(key, freq_scale):
+        p = mech.init(key, num_heads=1, head_dim=d, num_features=m, init_method=init_method)
+        p = {key_: x * freq_scale if x.ndim == 3 else x for key_, x in p.items()}
+        return jnp.diagonal(ff.kernel(q, k, p)[0, 0])  # pairs (q_i, k_i)
+
+    keys = jax.random.split(jax.random.key(7), n)
+    draws = jax.jit(jax.vmap(estimates, in_axes=(0, None)))
+    for freq_scale, unbiased in ((1.0, True), (1.2, False)):
+        e = np.asarray(draws(keys, freq_scale))
+        mean, se = e.mean(0), e.std(0, ddof=1) / math.sqrt(n)
+        z = (mean - target) / se
+        print(
+            f"{name} {init_method} freq_scale={freq_scale}: target {np.round(target, 4)} "
+            f"mean {np.round(mean, 4)} z {np.round(z, 2)}"
+        )
+        if unbiased:
+            assert np.all(np.abs(z) < 4), z
+        else:
+            assert np.all(np.abs(z) > 4), z
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_stabilised_features_give_kernel_weights(name):
+    """The stabilisers cancel: normalised weights from `feature_map_*` equal the row-normalised
+    unstabilised kernel, masked keys dropped."""
+    q, k, _ = _inputs(jax.random.key(1), t=9)
+    p = _params(name, jax.random.key(2))
+    mask = _mask(2, 9)
+    fmap = FMAP[name]
+    w = core.normalized_weights(
+        fmap(q, p, is_query=True), fmap(k, p, is_query=False, mask=mask), mask=mask
+    )
+    a = ff.kernel(q, k, p) * mask[:, None, None, :]
+    expected = a / jnp.sum(a, axis=-1, keepdims=True)
+    _close(w, expected, 1e-4, "normalised weights")
+
+    # Query factor is exactly 1 (features == the bare trig features); key factors
+    # exp(s_j - c) are <= 1 with the max over unmasked keys == 1.
+    def trig(x):
+        xh = x * 8**-0.25
+        if name == "flexformer_s":
+            wx = jnp.einsum("bthd,hmd->bthm", xh, p["omega"])
+            return jnp.concatenate([jnp.cos(wx), jnp.sin(wx)], -1) / 4.0  # M = 16
+        w1 = jnp.einsum("bthd,hmd->bthm", xh, p["omega1"])
+        w2 = jnp.einsum("bthd,hmd->bthm", xh, p["omega2"])
+        return jnp.concatenate([jnp.cos(w1) + jnp.cos(w2), jnp.sin(w1) + jnp.sin(w2)], -1) / 8.0
+
+    _close(fmap(q, p, is_query=True), trig(q), 1e-5, "query features")
+    factor = fmap(k, p, is_query=False, mask=mask)[..., 0] / trig(k)[..., 0]  # [B, T, H]
+    factor_max = jnp.max(jnp.where(mask[:, :, None], factor, 0.0), axis=1)
+    _close(factor_max, jnp.ones_like(factor_max), 1e-4, "key stabiliser max")
+
+
+def test_init_shapes_and_values():
+    h, d, m = 3, 8, 20
+    ps = ff.init_s(jax.random.key(0), num_heads=h, head_dim=d, num_features=m)
+    pn = ff.init_n(jax.random.key(0), num_heads=h, head_dim=d, num_features=m)
+    assert ps["omega"].shape == (h, m, d) and ps["omega"].dtype == jnp.float32
+    np.testing.assert_array_equal(pn["omega1"], ps["omega"])
+    np.testing.assert_array_equal(pn["omega2"], ps["omega"])
+    np.testing.assert_allclose(pn["tau"], np.full(h, math.log(2 * math.sqrt(d))), rtol=1e-6)
+    assert ff.spectral_samples(ps).shape == (h, m, d)
+    assert ff.spectral_samples(pn).shape == (h, 2 * m, d)
+    np.testing.assert_array_equal(ff.spectral_samples(pn)[:, m:], pn["omega2"])
+    # Orthogonal init: rows inside a d-block are exactly orthogonal.
+    po = ff.init_s(
+        jax.random.key(0), num_heads=h, head_dim=d, num_features=m, init_method="orthogonal"
+    )
+    block = po["omega"][:, :d]
+    gram = jnp.einsum("hmd,hnd->hmn", block, block)
+    off = gram * (1 - jnp.eye(d))[None]
+    assert float(jnp.max(jnp.abs(off))) < 1e-4 * float(jnp.max(gram))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_n_equals_s_at_init(causal):
+    """At init (omega1 = omega2 = omega, tau = log(2 sqrt d)) flexformer_n == flexformer_s."""
+    q, k, v = _inputs(jax.random.key(3), t=13)
+    mask = _mask(2, 13)
+    s, n = la.get("flexformer_s"), la.get("flexformer_n")
+    ps = s.init(jax.random.key(4), num_heads=2, head_dim=8, num_features=32)
+    pn = n.init(jax.random.key(4), num_heads=2, head_dim=8, num_features=32)
+    np.testing.assert_array_equal(pn["omega1"], ps["omega"])
+    out_s = s.attention(q, k, v, ps, mask=mask, causal=causal, chunk_size=4)
+    out_n = n.attention(q, k, v, pn, mask=mask, causal=causal, chunk_size=4)
+    _close(out_n, out_s, 1e-5, "flexformer_n vs flexformer_s at init")
+    a_s, a_n = ff.kernel(q, k, ps), ff.kernel(q, k, pn)
+    _close(a_n, a_s, 1e-5, "kernels at init")
+
+
+# --------------------------------------------------------------------------- estimator quality
+
+
+def test_error_vs_softmax_falls_like_inverse_sqrt_m():
+    """Mean RMS error vs softmax over 16 inits; each 4x in M cuts it by a factor in [1.5, 2.7]
+    (ideal 2; the per-ratio MC standard error at 16 seeds is ~5%)."""
+    b, t, h, d = 1, 32, 1, 8
+    q, k, v = _inputs(jax.random.key(0), b=b, t=t, h=h, d=d, dv=d, scale=0.5)
+    target = la.get("softmax").attention(q, k, v, {})
+    mech = la.get("flexformer_s")
+    keys = jax.random.split(jax.random.key(1), 16)
+    means = []
+    for m in (64, 256, 1024, 4096):
+
+        def rms(key, m=m):
+            p = mech.init(key, num_heads=h, head_dim=d, num_features=m)
+            return jnp.sqrt(jnp.mean((mech.attention(q, k, v, p) - target) ** 2))
+
+        errs = np.asarray(jax.jit(jax.vmap(rms))(keys))
+        means.append(errs.mean())
+        print(f"M={m:5d}: mean RMS error {errs.mean():.5f} (+- {errs.std(ddof=1) / 4:.5f})")
+    ratios = np.array(means[:-1]) / np.array(means[1:])
+    print("ratios per 4x M:", np.round(ratios, 3))
+    assert np.all((ratios > 1.5) & (ratios < 2.7)), ratios
+
+
+def _laplace_attention(q, k, v, lam):
+    dist = jnp.sum(jnp.abs(q[:, :, None] - k[:, None, :]), axis=-1)  # [B, Tq, Tk, H]
+    w = jnp.exp(-dist / lam)
+    w = w / jnp.sum(w, axis=2, keepdims=True)
+    return jnp.einsum("bijh,bjhd->bihd", w, v)
+
+
+def _fit(name, q, k, v, target, init_key, m, steps=300, lr=0.1):
+    mech = la.get(name)
+    params = mech.init(init_key, num_heads=q.shape[2], head_dim=q.shape[3], num_features=m)
+    opt = optax.adam(lr)
+
+    def loss(p):
+        return jnp.mean((mech.attention(q, k, v, p) - target) ** 2)
+
+    def step(carry, _):
+        p, state = carry
+        value, grads = jax.value_and_grad(loss)(p)
+        updates, state = opt.update(grads, state, p)
+        return (optax.apply_updates(p, updates), state), value
+
+    (params, _), losses = jax.lax.scan(step, (params, opt.init(params)), None, length=steps)
+    return losses[0], loss(params)
+
+
+def test_fit_laplace_attention():
+    """Fit only the mechanism params to exp(-|q - k|_1 / lambda) attention: both losses fall
+    clearly and end below performer with frozen features (same feature dimension); the
+    non-stationary variant ends at or below the stationary one (measured on these 3 seeds)."""
+    b, t, h, d, m, lam = 1, 32, 1, 4, 64, 1.0
+    fit = jax.jit(_fit, static_argnames=("name", "m"))
+    perf = la.get("performer")
+    for seed in range(3):
+        q, k, v = _inputs(jax.random.key(seed), b=b, t=t, h=h, d=d, dv=d, scale=1.0)
+        target = _laplace_attention(q, k, v, lam)
+        init_key = jax.random.key(100 + seed)
+        s0, s1 = fit("flexformer_s", q, k, v, target, init_key, m)
+        n0, n1 = fit("flexformer_n", q, k, v, target, init_key, m)
+        pp = perf.init(init_key, num_heads=h, head_dim=d, num_features=2 * m)
+        lp = jnp.mean((perf.attention(q, k, v, pp, deterministic=True) - target) ** 2)
+        s0, s1, n0, n1, lp = map(float, (s0, s1, n0, n1, lp))
+        print(
+            f"seed {seed}: flexformer_n {n0:.4f} -> {n1:.5f}, flexformer_s {s0:.4f} -> "
+            f"{s1:.5f}, performer (frozen) {lp:.5f}"
+        )
+        assert s1 < 0.1 * s0 and n1 < 0.1 * n0
+        assert n1 <= s1 < lp
+
+
+# --------------------------------------------------------------------------- fast path == reference
+
+
+CASES = [(12, 4, False), (13, 4, True), (13, 64, True), (7, 3, True), (1, 4, True)]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("t,chunk,masked", CASES)
+def test_causal_matches_reference(name, t, chunk, masked):
+    """Chunked causal == masked quadratic form of the same features, forward and gradients
+    w.r.t. q, k, v and every param."""
+    q, k, v = _inputs(jax.random.key(t), t=t)
+    p = _params(name, jax.random.key(5))
+    mask = _mask(2, t) if masked else None
+    mech = la.get(name)
+    wts = jax.random.normal(jax.random.key(6), v.shape)
+    fwd_tol, grad_tol = TOL[jnp.float32]
+
+    def run(fn):  # one compiled forward + gradients per path
+        def loss(q, k, v, p):
+            out = fn(q, k, v, p, mask=mask, causal=True, chunk_size=chunk)
+            return jnp.sum(out * wts), out
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, p)
+
+    g_fast, fast = run(mech.attention)
+    g_ref, ref = run(mech.reference)
+    _close(fast, ref, fwd_tol, "causal forward")
+    for what, gf, gr in zip(("q", "k", "v"), g_fast[:3], g_ref[:3], strict=True):
+        _close(gf, gr, grad_tol, f"grad {what}")
+    assert set(g_fast[3]) == set(p)
+    for key in p:
+        assert float(jnp.max(jnp.abs(g_ref[3][key]))) > 0, f"grad {key} is zero"
+        _close(g_fast[3][key], g_ref[3][key], grad_tol, f"grad {key}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_noncausal_matches_reference(name, dtype):
+    q, k, v = _inputs(jax.random.key(8), t=10, dtype=dtype)
+    q = q[:, :7]  # Tq != Tk
+    p = _params(name, jax.random.key(9))
+    mask = _mask(2, 10)
+    mech = la.get(name)
+    out = mech.attention(q, k, v, p, mask=mask)
+    assert out.dtype == dtype and out.shape == (2, 7, 2, 4)
+    _close(out, mech.reference(q, k, v, p, mask=mask), TOL[dtype][0], "non-causal forward")
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_masked_keys_contribute_nothing(name, causal):
+    """A masked key, however large (it would win an unmasked stabiliser max), changes
+    nothing; a batch row with every key masked gives zeros."""
+    q, k, v = _inputs(jax.random.key(10), t=6)
+    p = _params(name, jax.random.key(11))
+    mech = la.get(name)
+    mask = jnp.array([[True] * 4 + [False] * 2, [False] * 6])
+    k2 = k.at[:, 4:].set(100.0)
+    v2 = v.at[:, 4:].set(-50.0)
+    out = mech.attention(q, k, v, p, mask=mask, causal=causal, chunk_size=4)
+    out2 = mech.attention(q, k2, v2, p, mask=mask, causal=causal, chunk_size=4)
+    _close(out2, out, 1e-5, "masked keys changed")
+    trunc = mech.attention(q[:1, :4], k[:1, :4], v[:1, :4], p, causal=causal)
+    _close(out[:1, :4], trunc, 1e-5, "masked vs truncated")
+    np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
+
+
+# --------------------------------------------------------------------------- stability, transforms
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_large_norms_finite(name, causal, dtype):
+    """Token norms up to 1e2 (and bf16 inputs): finite outputs and gradients."""
+    q, k, v = _inputs(jax.random.key(12), t=8)
+    norms = jnp.array([0.1, 1.0, 10.0, 100.0] * 2)[None, :, None, None]
+    q = (q / jnp.linalg.norm(q, axis=-1, keepdims=True) * norms).astype(dtype)
+    k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True) * norms[:, ::-1]).astype(dtype)
+    v = v.astype(dtype)
+    p = _params(name, jax.random.key(13))
+    mech = la.get(name)
+    mask = _mask(2, 8)
+
+    def loss(q, k, v, p):
+        out = mech.attention(q, k, v, p, mask=mask, causal=causal, chunk_size=3)
+        return jnp.sum(out.astype(jnp.float32)), out
+
+    grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, p)
+    assert out.dtype == dtype and bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+    for leaf in jax.tree.leaves(grads):
+        assert bool(jnp.all(jnp.isfinite(leaf.astype(jnp.float32))))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_jit_vmap_checkpoint(name):
+    q, k, v = _inputs(jax.random.key(14), b=3, t=9)
+    p = _params(name, jax.random.key(15))
+    mech = la.get(name).bind(chunk_size=4)
+
+    def f(q, k, v, p):
+        return mech.attention(q, k, v, p, causal=True)
+
+    jf = jax.jit(f)
+    _close(jf(q, k, v, p), f(q, k, v, p), 1e-5, "jit vs eager")
+    # vmap over an extra leading axis (here: 3 separate batches of 1) == loop.
+    qs, ks, vs = (x[:, None] for x in (q, k, v))
+    vmapped = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, None)))(qs, ks, vs, p)
+    looped = jnp.stack([jf(qs[i], ks[i], vs[i], p) for i in range(3)])
+    _close(vmapped, looped, 1e-5, "vmap vs loop")
+    # jax.checkpoint: same gradients.
+    loss = lambda p: jnp.sum(f(q, k, v, p) ** 2)  # noqa: E731
+    g = jax.jit(jax.grad(loss))(p)
+    g_ckpt = jax.jit(jax.grad(jax.checkpoint(loss)))(p)
+    for key in p:
+        _close(g_ckpt[key], g[key], 1e-5, f"checkpoint grad {key}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_learn_frequencies_false(name):
+    q, k, v = _inputs(jax.random.key(16), t=8)
+    p = _params(name, jax.random.key(17))
+    mech = la.get(name)
+    frozen = mech.bind(learn_frequencies=False)
+    assert mech.fixed_params() == frozenset()
+    assert frozen.fixed_params() == frozenset(FREQ_KEYS[name])
+    assert mech.fixed_params(learn_frequencies=False) == frozenset(FREQ_KEYS[name])
+    out = frozen.attention(q, k, v, p, causal=True, chunk_size=4)
+    _close(out, mech.attention(q, k, v, p, causal=True, chunk_size=4), 0, "frozen forward")
+    g = jax.jit(jax.grad(lambda p: jnp.sum(frozen.attention(q, k, v, p, causal=True) ** 2)))(p)
+    g_live = jax.jit(jax.grad(lambda p: jnp.sum(mech.attention(q, k, v, p, causal=True) ** 2)))(p)
+    for key in FREQ_KEYS[name]:
+        np.testing.assert_array_equal(np.asarray(g[key]), 0.0)
+        assert float(jnp.max(jnp.abs(g_live[key]))) > 0
+    if name == "flexformer_n":  # tau is a scale, not a frequency: still learnable
+        assert float(jnp.max(jnp.abs(g["tau"]))) > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_rng_and_deterministic_unused(name):
+    q, k, v = _inputs(jax.random.key(18), t=5)
+    p = _params(name, jax.random.key(19))
+    mech = la.get(name)
+    assert not mech.stochastic and mech.supports_causal
+    a = mech.attention(q, k, v, p, None, deterministic=False)
+    b = mech.attention(q, k, v, p, jax.random.key(0), deterministic=True)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_config_and_inputs(name):
+    mech = la.get(name)
+    with pytest.raises(ValueError, match="num_features"):
+        mech.init(jax.random.key(0), num_heads=2, head_dim=8, num_features=0)
+    with pytest.raises(ValueError, match="init_method"):
+        mech.init(jax.random.key(0), num_heads=2, head_dim=8, init_method="uniform")
+    q, k, v = _inputs(jax.random.key(20), t=5)
+    p = _params(name, jax.random.key(21))
+    with pytest.raises(ValueError, match="chunk_size"):
+        mech.attention(q, k, v, p, causal=True, chunk_size=0)
+    with pytest.raises(ValueError, match=r"expected \[H=2, M, d=8\]"):
+        mech.attention(q, k, v, _params(name, jax.random.key(21), d=4))
+    with pytest.raises(ValueError, match="q must have rank 4"):
+        mech.attention(q[0], k, v, p)
+    with pytest.raises(ValueError, match="missing"):
+        mech.attention(q, k, v, {})
+    with pytest.raises(ValueError, match="params must be"):
+        ff.kernel(q, k, {"features": p[FREQ_KEYS[name][0]]})
+    if name == "flexformer_n":
+        with pytest.raises(ValueError, match="tau"):
+            mech.attention(q, k, v, {**p, "tau": jnp.zeros((3,))})
+        with pytest.raises(ValueError, match="omega2"):
+            mech.attention(q, k, v, {**p, "omega2": p["omega2"][:, :3]})
