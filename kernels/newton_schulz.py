@@ -25,10 +25,12 @@ of A -> (A + eps I)^-1 evaluated at the Newton-Schulz approximation V), not the 
 the truncated iteration. `newton_schulz_inverse_reference` is the plain jnp iteration, which
 ``jax.grad`` differentiates step by step instead.
 
-Implementations: ``"pallas"`` runs one program per (batch, head), the whole (zero-padded to a
-power of 2 >= 16) matrix held on chip, two float32 ``jnp.dot`` (precision HIGHEST, i.e. no TF32)
-per step inside a ``lax.fori_loop``; m <= 256. Zero padding keeps the iteration block-diagonal:
-the padded block of V stays exactly 0. ``"xla"`` is the same iteration as batched einsums.
+Implementations: ``"pallas"`` runs one program per (batch, head), m <= 256, the matrix
+zero-padded to a power of 2 >= 16, float32 ``jnp.dot`` with precision HIGHEST (no TF32) and a
+``lax.fori_loop`` over the steps. Up to 64 x 64 the whole matrix is held on chip; above, the
+program keeps P, V, V P in HBM buffers and multiplies 64 x 64 tiles (phases separated by a
+block barrier). Zero padding keeps the iteration block-diagonal: the padded block of V stays
+exactly 0. ``"xla"`` is the same iteration as batched einsums.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ from kernels import _dispatch
 
 MAX_PALLAS_SIZE = 256  # largest m the one-program-per-matrix kernel accepts
 _MIN_PAD = 16  # Triton dots need every dimension >= 16
+# Matrices up to _TILE x _TILE are held on chip whole; bigger ones are iterated tile by tile
+# (a 256 x 256 float32 operand alone is 256 KiB, more than an SM's shared memory).
+_TILE = 64
 _HI = lax.Precision.HIGHEST
 
 
@@ -81,23 +86,103 @@ def _ns_kernel(p_ref, v_ref, *, iters: int):
     v_ref[...] = lax.fori_loop(0, iters, body, v)
 
 
-def _ns_pallas(p, iters: int, interpret: bool):
+def _tiled_ns_kernel(p_ref, v_ref, w_ref, x_ref, *, iters: int, tile: int, barrier: bool):
+    """Newton-Schulz on one ``[m_pad, m_pad]`` matrix too big to hold on chip (m_pad > 64).
+
+    P stays in its (HBM) ref; V, W = V P and the next V (x_ref) live in three output buffers of
+    the same program and are updated ``tile x tile`` at a time. Every phase reads what the
+    previous one wrote in other tiles, hence the block-wide barrier between phases on GPU
+    (__syncthreads also makes the global writes visible); the interpreter runs in order.
+    """
+    n_tiles = p_ref.shape[0] // tile
+
+    def sync():
+        if barrier:
+            pl_triton.debug_barrier()
+
+    def tile_ds(i):
+        return pl.ds(pl.multiple_of(i * tile, tile), tile)
+
+    def tile_matmul(a_ref, b_ref, i, j):
+        def body(k, acc):
+            a = a_ref[tile_ds(i), tile_ds(k)]  # [tile, tile]
+            b = b_ref[tile_ds(k), tile_ds(j)]  # [tile, tile]
+            return acc + jnp.dot(a, b, precision=_HI, preferred_element_type=jnp.float32)
+
+        return lax.fori_loop(0, n_tiles, body, jnp.zeros((tile, tile), jnp.float32))
+
+    def for_each_tile(fn):
+        def row(i, carry):
+            def col(j, carry):
+                fn(i, j)
+                return carry
+
+            return lax.fori_loop(0, n_tiles, col, carry)
+
+        lax.fori_loop(0, n_tiles, row, 0)
+        sync()
+
+    def abs_sum_max(axis):  # max over rows (axis=1) or columns (axis=0) of the |P| sums
+        def outer(i, best):
+            def inner(k, acc):
+                blk = p_ref[tile_ds(i), tile_ds(k)] if axis == 1 else p_ref[tile_ds(k), tile_ds(i)]
+                return acc + jnp.sum(jnp.abs(blk), axis=axis)  # [tile]
+
+            sums = lax.fori_loop(0, n_tiles, inner, jnp.zeros((tile,), jnp.float32))
+            return jnp.maximum(best, jnp.max(sums))
+
+        return lax.fori_loop(0, n_tiles, outer, jnp.float32(0.0))
+
+    alpha = 1.8 / jnp.maximum(abs_sum_max(1) * abs_sum_max(0), jnp.finfo(jnp.float32).tiny)
+
+    def init(i, j):
+        v_ref[tile_ds(i), tile_ds(j)] = alpha * p_ref[tile_ds(j), tile_ds(i)].T
+
+    for_each_tile(init)
+
+    def step(_, carry):
+        def vp(i, j):
+            w_ref[tile_ds(i), tile_ds(j)] = tile_matmul(v_ref, p_ref, i, j)
+
+        def update(i, j):
+            v_ij = v_ref[tile_ds(i), tile_ds(j)]
+            x_ref[tile_ds(i), tile_ds(j)] = 2.0 * v_ij - tile_matmul(w_ref, v_ref, i, j)
+
+        def copy(i, j):
+            v_ref[tile_ds(i), tile_ds(j)] = x_ref[tile_ds(i), tile_ds(j)]
+
+        for_each_tile(vp)  # W = V P
+        for_each_tile(update)  # X = 2 V - W V
+        for_each_tile(copy)  # V = X
+        return carry
+
+    lax.fori_loop(0, iters, step, 0)
+
+
+def _ns_pallas(p, iters: int, interpret: bool, *, tile: int = _TILE):
     bh, m, _ = p.shape
     m_pad = max(_MIN_PAD, _dispatch.next_power_of_2(m))
     pp = _dispatch.pad_axis(_dispatch.pad_axis(p, 1, m_pad), 2, m_pad)  # [BH, m_pad, m_pad]
     spec = pl.BlockSpec((None, m_pad, m_pad), lambda b: (b, 0, 0))
-    v = pl.pallas_call(
-        functools.partial(_ns_kernel, iters=iters),
-        out_shape=jax.ShapeDtypeStruct((bh, m_pad, m_pad), jnp.float32),
+    out_shape = jax.ShapeDtypeStruct((bh, m_pad, m_pad), jnp.float32)
+    if m_pad <= tile:
+        kernel = functools.partial(_ns_kernel, iters=iters)
+        n_out = 1
+    else:
+        kernel = functools.partial(_tiled_ns_kernel, iters=iters, tile=tile, barrier=not interpret)
+        n_out = 3  # V and two scratch buffers
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=[out_shape] * n_out,
         grid=(bh,),
         in_specs=[spec],
-        out_specs=spec,
+        out_specs=[spec] * n_out,
         interpret=interpret,
-        # Triton, not the Mosaic GPU default of jax >= 0.8; more warps for the bigger tiles.
-        compiler_params=pl_triton.CompilerParams(num_warps=4 if m_pad <= 64 else 8),
+        # Triton, not the Mosaic GPU default of jax >= 0.8.
+        compiler_params=pl_triton.CompilerParams(num_warps=4),
         name="newton_schulz_inverse",
     )(pp)
-    return v[:, :m, :m]
+    return outs[0][:, :m, :m]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -209,9 +209,10 @@ NS_IMPLS = [("xla", False), ("pallas", True)]
 
 class TestNewtonSchulz:
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-    @pytest.mark.parametrize("m", [16, 24, 64])
+    @pytest.mark.parametrize("m", [16, 24, 64, 100])
     def test_pallas_matches_reference(self, m, dtype):
-        """Interpret-mode kernel == jnp reference (m = 24 exercises the zero padding to 32)."""
+        """Interpret-mode kernel == jnp reference. m = 24 exercises the zero padding to 32;
+        m = 100 (padded to 128) the tiled kernel with 2 x 2 tiles of 64."""
         a = _kernel_matrix("gauss", _tokens("random", 2, 2, m, seed=m)).astype(dtype)
         ref = kernels.newton_schulz_inverse_reference(a)
         for impl, interpret in NS_IMPLS:
@@ -235,6 +236,7 @@ class TestNewtonSchulz:
             _assert_close(v, inv, jnp.float32, f"V vs inv(P) {impl}")
 
     def test_pallas_m256_interpret(self):
+        """m = 256: the tiled kernel with 4 x 4 tiles."""
         a = _kernel_matrix("laplace", _tokens("random", 1, 1, 256, seed=7))
         v = kernels.newton_schulz_inverse(a, impl="pallas", interpret=True)
         _assert_close(v, kernels.newton_schulz_inverse_reference(a), jnp.float32, "m=256")
@@ -400,6 +402,7 @@ def test_kernels_lower_to_triton_for_cuda():
     y = jax.ShapeDtypeStruct((2, 3, 70, 33), jnp.float32)
     lam = jax.ShapeDtypeStruct((3,), jnp.float32)
     a = jax.ShapeDtypeStruct((2, 3, 200, 200), jnp.float32)
+    ns = lambda a: kernels.newton_schulz_inverse(a, impl="pallas")
     cases = {
         "l1_fwd_bwd": (
             jax.grad(lambda x, y: kernels.l1_distance(x, y, impl="pallas").sum(), (0, 1)),
@@ -413,7 +416,8 @@ def test_kernels_lower_to_triton_for_cuda():
             (x, y, lam),
             3,
         ),  # fmt: skip
-        "ns": (lambda a: kernels.newton_schulz_inverse(a, impl="pallas"), (a,), 1),
+        "ns_whole": (ns, (jax.ShapeDtypeStruct((2, 3, 48, 48), jnp.float32),), 1),
+        "ns_tiled": (ns, (a,), 1),
     }
     for name, (f, args, n_kernels) in cases.items():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
