@@ -35,7 +35,14 @@ queries (``c = s(q)``, so the query factor is exactly 1 -- it cancels from the
 attention ratio anyway), and the maximum over all unmasked keys (per batch and
 head) for keys (`core.masked_max`). c cancels in the ratio. The features can be
 negative, so the denominator is guarded (`core.guard_denominator`, used by
-`core.attend`).
+`core.attend`). The key maximum runs over the whole sequence also when causal
+(it still cancels); as for performer, a key far larger than those before it can
+make earlier keys' factors underflow.
+
+Variance. Like every trigonometric RFF estimate of the softmax kernel, the
+estimate's variance grows like ``exp(|q^|^2 + |k^|^2)``; it is accurate for
+moderate norms only (the reason FAVOR+ uses positive features). Training is what
+makes the learned kernel useful, not the init estimator.
 
 Options: ``learn_frequencies=False`` (attention keyword, and the same keyword of
 `Mechanism.fixed_params`) freezes the frequencies -- ``stop_gradient`` in the
@@ -44,11 +51,17 @@ them alone: this is the fixed-kernel RFF softmax estimator the seed compares
 against. ``init_method="orthogonal"`` draws the frequencies as stacked
 orthogonal blocks with chi-distributed row norms
 (`linattn_jax.performer.orthogonal_features`), still marginally ``N(0, I)`` per
-row, so the estimator stays unbiased with lower variance.
+row, so the estimator stays unbiased with lower variance. ``pair_jitter``
+(``flexformer_n`` init only, default 0 = the exact init above) perturbs
+``omega2``: the paired features are symmetric in ``omega1 <-> omega2``, so from
+the tied init gradient training keeps the pair tied and only ``tau`` moves the
+kernel; a small jitter lets the pair separate (see `init_n`).
 
 Both are deterministic (``stochastic=False``): ``rng`` and ``deterministic`` are
-ignored. The unstabilised kernel `kernel` and the frequencies `spectral_samples`
-are exposed for inspection and plots.
+ignored. Public helpers: `feature_map_s` / `feature_map_n` (the stabilised
+features, e.g. for `core.normalized_weights` in distillation), `kernel` (the
+unstabilised estimate ``phi~(q) . phi~(k)``) and `spectral_samples` (the learned
+frequencies), for inspection and plots.
 """
 
 from __future__ import annotations
@@ -87,18 +100,39 @@ def init_s(
 
 
 def init_n(
-    rng, *, num_heads: int, head_dim: int, num_features: int = 128, init_method: str = "gaussian"
+    rng,
+    *,
+    num_heads: int,
+    head_dim: int,
+    num_features: int = 128,
+    init_method: str = "gaussian",
+    pair_jitter: float = 0.0,
 ):
     """``{"omega1", "omega2": [H, M, d], "tau": [H]}``.
 
     ``omega1 = omega2`` = the draw `init_s` makes from the same `rng`, and
     ``tau = log(2 sqrt d)``: at init the mechanism equals ``flexformer_s``.
+
+    ``pair_jitter > 0`` adds ``pair_jitter * N(0, I)`` to ``omega2``. Why: the paired
+    features are symmetric under swapping ``omega1 <-> omega2``, so at ``omega1 ==
+    omega2`` the two gradients are identical and gradient-based training keeps the
+    pair tied forever (only ``tau`` then moves the kernel off ``flexformer_s``). The
+    default 0 is the exact-equality init of the spec; a small jitter (e.g. 0.05)
+    breaks the symmetry at the cost of exact equality with ``flexformer_s`` at init.
     """
     _check_init("flexformer_n", num_heads, head_dim, num_features, init_method)
+    if isinstance(pair_jitter, bool) or not isinstance(pair_jitter, int | float):
+        raise ValueError(f"flexformer_n: pair_jitter must be a float >= 0, got {pair_jitter!r}")
+    if not pair_jitter >= 0:
+        raise ValueError(f"flexformer_n: pair_jitter must be a float >= 0, got {pair_jitter!r}")
     omega = _draw_frequencies(rng, num_heads, num_features, head_dim, init_method)
+    omega2 = omega
+    if pair_jitter:
+        noise = jax.random.normal(jax.random.fold_in(rng, 1), omega.shape, _f32)
+        omega2 = omega + pair_jitter * noise
     return {
         "omega1": omega,
-        "omega2": omega,
+        "omega2": omega2,
         "tau": jnp.full((num_heads,), math.log(2.0 * math.sqrt(head_dim)), _f32),
     }
 
@@ -135,14 +169,15 @@ def _trig_n(xh, omega1, omega2):
 
 
 def _log_norm_s(xh):
-    return 0.5 * jnp.sum(xh * xh, axis=-1, keepdims=True)  # |x|^2 / (2 sqrt d)
+    """``|x^|^2 / 2 = |x|^2 / (2 sqrt d)`` as ``[B, T, H, 1]``."""
+    return 0.5 * jnp.sum(xh * xh, axis=-1, keepdims=True)
 
 
 def _log_norm_n(x, tau):
+    """``|x|^2 / exp(tau)`` as ``[B, T, H, 1]``; `tau` is ``[H]``."""
     x = x.astype(_f32)
-    return (
-        jnp.sum(x * x, axis=-1, keepdims=True) * jnp.exp(-tau)[None, None, :, None]
-    )  # |x|^2 / exp(tau)
+    inv_scale = jnp.exp(-tau.astype(_f32))[None, None, :, None]
+    return jnp.sum(x * x, axis=-1, keepdims=True) * inv_scale
 
 
 def feature_map_s(x, params, *, is_query: bool, mask=None):

@@ -412,3 +412,27 @@ def test_bad_config_and_inputs(name):
             mech.attention(q, k, v, {**p, "tau": jnp.zeros((3,))})
         with pytest.raises(ValueError, match="omega2"):
             mech.attention(q, k, v, {**p, "omega2": p["omega2"][:, :3]})
+
+
+def test_pair_symmetry_and_jitter():
+    """With omega1 == omega2 (the default init) the paired features are swap-symmetric, so the
+    two frequency gradients are identical and training keeps the pair tied; pair_jitter > 0
+    breaks the tie (omega2 - omega1 ~ N(0, jitter^2))."""
+    q, k, v = _inputs(jax.random.key(22), t=8)
+    mech = la.get("flexformer_n")
+    grad = jax.jit(jax.grad(lambda p: jnp.sum(mech.attention(q, k, v, p, causal=True) ** 2)))
+    p0 = mech.init(jax.random.key(23), num_heads=2, head_dim=8, num_features=64)
+    g0 = grad(p0)
+    np.testing.assert_array_equal(np.asarray(g0["omega1"]), np.asarray(g0["omega2"]))
+    jitter = 0.05
+    p1 = mech.init(jax.random.key(23), num_heads=2, head_dim=8, num_features=64, pair_jitter=jitter)
+    np.testing.assert_array_equal(p1["omega1"], p0["omega1"])
+    diff = np.asarray(p1["omega2"] - p1["omega1"]).ravel()  # 1024 draws
+    se = jitter / math.sqrt(2 * (diff.size - 1))  # standard error of the sample std
+    assert abs(diff.std(ddof=1) - jitter) < 4 * se and abs(diff.mean()) < 4 * jitter / 32
+    g1 = grad(p1)
+    assert float(jnp.max(jnp.abs(g1["omega1"] - g1["omega2"]))) > 1e-3 * float(
+        jnp.max(jnp.abs(g1["omega1"]))
+    )
+    with pytest.raises(ValueError, match="pair_jitter"):
+        mech.init(jax.random.key(0), num_heads=2, head_dim=8, pair_jitter=-0.1)
