@@ -11,12 +11,18 @@ symmetric A. We always use the product of the max row sum and max column sum, wh
 that square for a symmetric matrix and, for a non-symmetric A (separate query and key
 landmarks), still bounds sigma_max(P)^2 <= |P|_1 |P|_inf, so alpha sigma_max^2 <= 1.8 < 2 and
 the iteration converges for any non-singular P. We take the norms of P (not A) so that bound
-holds exactly; the two differ by at most eps in each sum. The error I - P V_k squares every
-step, so the iteration needs about log2(1 / (alpha sigma_min(P)^2)) steps before it starts to
-converge: with eps = 0.01 and a kernel matrix whose largest eigenvalue is ~m (near-duplicate
-landmarks) that is log2(m^2 / (1.8 * 1e-4)), i.e. ~31 steps for m = 256; the default 20 steps
-then leave the smallest eigen-directions under-inverted (see tests/test_kernels.py for the
-measured residuals).
+holds exactly; the two differ by at most eps in each sum.
+
+Convergence: for symmetric P every V_k is a polynomial in P and I - P V_{k+1} = (I - P V_k)^2,
+so |I - P V_K|_2 = max_mu |1 - alpha mu^2|^(2^K) over the eigenvalues mu >= eps of P. The
+iteration starts to converge after about log2(1 / (alpha mu_min^2)) steps and reaches float32
+accuracy ~4 steps later. Random-token Laplace / Gaussian kernel matrices are well conditioned
+(measured max|PV - I| <= 2.6e-6 after 20 steps, m <= 256). With near-duplicate landmarks the
+max row sum grows to the cluster size (up to m when all landmarks coincide) while mu_min stays
+~eps = 0.01, so 20 steps only converge when max_row_sum(P) <~ 3.6; otherwise the directions of
+the smallest eigenvalues are left under-inverted (V acts as a damped inverse there): measured
+|PV - I|_2 = 0.14 for 64 clusters of 4 at m = 256 (Laplace), 0.97 when all 256 collapse.
+tests/test_kernels.py checks the residual against the formula above.
 
 alpha depends on A only through a max: it is treated as a constant (no gradient).
 
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -244,9 +251,9 @@ def _check(name: str, a, iters, eps) -> None:
     _dispatch.check_float(name, "a", a)
     if a.shape[2] != a.shape[3]:
         raise ValueError(f"{name}: a must be [B, H, m, m] (square), got {a.shape=}")
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+    if isinstance(iters, bool) or not isinstance(iters, numbers.Integral) or iters < 1:
         raise ValueError(f"{name}: iters must be an int >= 1, got {iters=!r}")
-    if not isinstance(eps, int | float) or not eps >= 0.0 or eps == float("inf"):
+    if not isinstance(eps, numbers.Real) or not 0.0 <= float(eps) < float("inf"):
         raise ValueError(f"{name}: eps must be a finite float >= 0, got {eps=!r}")
 
 
@@ -282,10 +289,10 @@ def newton_schulz_inverse(
     b, h, m, _ = a.shape
     if impl == "pallas" and m > MAX_PALLAS_SIZE:
         raise ValueError(
-            f'{name}: impl="pallas" holds a whole matrix per program and needs '
+            f'{name}: impl="pallas" runs one program per matrix and supports '
             f'm <= {MAX_PALLAS_SIZE}, got {a.shape=}; use impl="xla"'
         )
-    cfg = _Config(impl=impl, iters=iters, interpret=bool(interpret))
+    cfg = _Config(impl=impl, iters=int(iters), interpret=bool(interpret))
     p = _regularise(a, float(eps)).reshape(b * h, m, m)
     return _ns(p, cfg).reshape(b, h, m, m)
 
@@ -295,4 +302,4 @@ def newton_schulz_inverse_reference(
 ) -> jax.Array:
     """Plain jnp oracle of `newton_schulz_inverse` (autodiff goes through every step)."""
     _check("newton_schulz_inverse_reference", a, iters, eps)
-    return _ns_jnp(_regularise(a, float(eps)), iters)
+    return _ns_jnp(_regularise(a, float(eps)), int(iters))
