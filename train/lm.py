@@ -1,0 +1,802 @@
+"""Causal language modelling: a decoder-only transformer over bytes, with recurrent decoding.
+
+Model (`CausalLM`, pre-LN GPT-style)::
+
+    x = embed(tokens) + pos_emb                                [B, T, E]
+    repeat num_layers:  x = x + MHA(LN(x), causal=True)
+                        x = x + MLP(LN(x))
+    logits = LN(x) @ embed^T  (tied) or Dense(vocab)           [B, T, V]
+
+with the attention any causal mechanism (``la.causal_names()``: softmax, linear_elu,
+performer, rfa, hedgehog, flexformer_s, flexformer_n, ra).
+
+Text: any UTF-8 (or binary) file, byte-level ids (`train.data.tokenizers`: byte b -> b + 1,
+0 = pad, ``vocab_size = 259``). A directory holding WikiText-103's raw files
+(``wiki.train.raw``, ``wiki.valid.raw``, ``wiki.test.raw``) is read split by split; a single
+file is split 90 / 5 / 5; ``path="stdlib"`` uses the Python standard library's sources (an
+offline corpus of several MB). Training windows are random crops of ``T + 1`` bytes drawn
+from ``(seed, step)``, so the stream is resumable; evaluation is one ordered pass of
+non-overlapping windows. Perplexity is ``exp(mean NLL per byte)``; bits per byte is
+``mean NLL / ln 2``.
+
+Recurrent decoding (the constant-memory form of causal linear attention). For a feature-map
+mechanism, layer by layer and head by head the state after t tokens is::
+
+    S_t = sum_{j<=t} phi(k_j) v_j^T   [M, Dv],    z_t = sum_{j<=t} phi(k_j)   [M]
+    out_t = phi(q_t)^T S_t / phi(q_t)^T z_t
+
+updated one token at a time (`RecurrentAttention`, `decode_step`, `generate`). The key
+features of several mechanisms carry a stabiliser that the parallel form takes as a
+maximum over *all* keys (performer's ``exp(W k^ - |k^|^2/2 - c)``, flexformer's
+``exp(s(k) - c)``); a recurrence cannot see future keys, so the state keeps a *running*
+maximum ``c_t`` and rescales ``S, z`` by ``exp(c_{t-1} - c_t)`` when it grows. The common
+factor cancels in the ratio, so the recurrent output equals the parallel one exactly for
+flexformer_s/n, hedgehog, linear_elu and rfa (incl. its gate, a decay of the state). For
+performer the features are ``exp(. - c) + eps`` with a small absolute ``eps``
+(``performer.FEATURE_EPS``) that does not scale with ``c``: the two forms differ only by
+that eps term weighted by ``exp(c_t - c_T)``, a relative difference of order ``eps * t``;
+the eps part is kept exactly (as ``eps * sum_j v_j`` and ``eps * t``). Generation uses the
+deterministic (fixed) features of performer and rfa. Mechanisms without a feature map
+(softmax, ra) decode with a KV cache of ``max_len`` positions: the mechanism itself is run
+for the one new query over the cached keys with a key mask ``j <= t`` (for ra in its
+deterministic mode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sysconfig
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import linattn_jax as la
+from linattn_jax import _module_utils as mu
+from linattn_jax import core, flexformer, hedgehog, linear_elu, performer, rfa
+from linattn_jax.linen import MultiHeadAttention
+
+from .data.errors import DatasetNotFoundError
+from .data.tokenizers import BYTE_OFFSET, BYTE_VOCAB_SIZE, decode_bytes
+
+VOCAB_SIZE = BYTE_VOCAB_SIZE
+WIKITEXT_FILES = {"train": "wiki.train.raw", "val": "wiki.valid.raw", "test": "wiki.test.raw"}
+#: Running-max initial value of the recurrent stabiliser (exp(init - c) underflows to 0).
+_NEG = -1e30
+_f32 = jnp.float32
+
+
+# ============================================================================ text data
+def stdlib_text(max_bytes: int | None = None) -> bytes:
+    """The Python standard library's ``*.py`` sources, sorted by path, concatenated.
+
+    An offline text corpus (several MB of English comments and code) for CPU runs and tests.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.is_file())
+    out, size = [], 0
+    for p in files:
+        data = p.read_bytes()
+        out.append(data)
+        size += len(data)
+        if max_bytes is not None and size >= max_bytes:
+            break
+    text = b"".join(out)
+    return text if max_bytes is None else text[:max_bytes]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TextData:
+    """Byte splits of a text corpus, read as token ids ``byte + 1`` (0 = pad).
+
+    Attributes:
+      splits: split name -> uint8 byte array (a memory map for large files).
+      seq_len: T, the model's context; windows hold ``T + 1`` bytes (inputs + shifted targets).
+      info: provenance.
+    """
+
+    splits: Mapping[str, np.ndarray]
+    seq_len: int
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    vocab_size: int = VOCAB_SIZE
+
+    def source(self, split: str) -> np.ndarray:
+        if split not in self.splits:
+            raise KeyError(f"text data has no split {split!r}; has {list(self.splits)}")
+        data = self.splits[split]
+        if len(data) < self.seq_len + 1:
+            raise ValueError(
+                f"split {split!r} has {len(data)} bytes, fewer than seq_len + 1 = "
+                f"{self.seq_len + 1}"
+            )
+        return data
+
+    def train_batch(
+        self,
+        step: int,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        split: str = "train",
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> dict[str, np.ndarray]:
+        """Random windows at ``step``: ``inputs``, ``targets`` int32 ``[B / P, T]``.
+
+        A pure function of ``(seed, step, batch_size)``: row r starts at an offset drawn
+        from ``default_rng([seed, step])``; process p takes rows ``p, p + P, ...``.
+        """
+        if batch_size % process_count:
+            raise ValueError(f"{batch_size=} must be a multiple of {process_count=}")
+        data = self.source(split)
+        rng = np.random.default_rng([int(seed), int(step)])
+        starts = rng.integers(0, len(data) - self.seq_len, size=batch_size)
+        starts = starts[process_index::process_count]
+        rows = np.stack([np.asarray(data[s : s + self.seq_len + 1]) for s in starts])
+        ids = rows.astype(np.int32) + BYTE_OFFSET
+        return {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
+
+    def train_batches(
+        self, batch_size: int, *, seed: int = 0, start_step: int = 0, **kwargs
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """Endless ``train_batch(start_step), train_batch(start_step + 1), ...``."""
+        step = start_step
+        while True:
+            yield self.train_batch(step, batch_size, seed=seed, **kwargs)
+            step += 1
+
+    def num_eval_windows(self, split: str) -> int:
+        return (len(self.source(split)) - 1) // self.seq_len
+
+    def eval_batches(
+        self,
+        split: str,
+        batch_size: int,
+        *,
+        max_batches: int | None = None,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """Ordered non-overlapping windows (every byte after the first is a target once).
+
+        Adds ``mask`` bool ``[B]`` (False on rows that pad the last batch).
+        """
+        if batch_size % process_count:
+            raise ValueError(f"{batch_size=} must be a multiple of {process_count=}")
+        data = self.source(split)
+        n = self.num_eval_windows(split)
+        t = self.seq_len
+        num_batches = math.ceil(n / batch_size)
+        if max_batches is not None and max_batches >= 0:
+            num_batches = min(num_batches, max_batches)
+        for b in range(num_batches):
+            pos = b * batch_size + np.arange(batch_size)[process_index::process_count]
+            rows = np.zeros((len(pos), t + 1), np.int32)
+            for r, p in enumerate(pos):
+                if p < n:
+                    rows[r] = np.asarray(data[p * t : p * t + t + 1]).astype(np.int32) + 1
+            yield {"inputs": rows[:, :-1], "targets": rows[:, 1:], "mask": pos < n}
+
+
+def _read(path: Path) -> np.ndarray:
+    return (
+        np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
+    )
+
+
+def load_text(cfg: Mapping[str, Any], seq_len: int) -> TextData:
+    """`TextData` from ``cfg["path"]`` (see the module docstring).
+
+    Keys: ``path`` (a file, a WikiText-style directory, or ``"stdlib"``), ``max_bytes``
+    (``stdlib`` only: corpus size), ``val_fraction`` (single file: val and test fraction
+    each, default 0.05).
+
+    Raises:
+      DatasetNotFoundError: the path does not exist (or a directory lacks the raw files).
+    """
+    path = cfg.get("path") or "stdlib"
+    frac = float(cfg.get("val_fraction") or 0.05)
+    if path == "stdlib":
+        text = np.frombuffer(stdlib_text(cfg.get("max_bytes")), np.uint8)
+        return _split_single(text, frac, seq_len, {"source": "python stdlib *.py"})
+    p = Path(os.path.expanduser(str(path)))
+    how = (
+        "  Point data.path at any text file, or at the extracted WikiText-103 raw folder\n"
+        "  (wikitext-103-raw/ with wiki.train.raw, wiki.valid.raw, wiki.test.raw; from\n"
+        "  https://huggingface.co/datasets/Salesforce/wikitext, config wikitext-103-raw-v1,\n"
+        "  saved as those three files), or use data.path=stdlib (offline)."
+    )
+    if p.is_dir():
+        files = {s: p / f for s, f in WIKITEXT_FILES.items()}
+        missing = [str(f) for f in files.values() if not f.is_file()]
+        if missing:
+            raise DatasetNotFoundError(f"text corpus {p}", missing, how)
+        splits = {s: _read(f) for s, f in files.items()}
+        return TextData(splits, seq_len, {"source": str(p)})
+    if not p.is_file():
+        raise DatasetNotFoundError(f"text corpus {p}", [str(p)], how)
+    return _split_single(_read(p), frac, seq_len, {"source": str(p)})
+
+
+def _split_single(data: np.ndarray, frac: float, seq_len: int, info) -> TextData:
+    if not 0 < frac < 0.5:
+        raise ValueError(f"val_fraction must be in (0, 0.5), got {frac}")
+    n = len(data)
+    held = max(int(n * frac), seq_len + 1)
+    if n - 2 * held < seq_len + 1:
+        raise ValueError(
+            f"text of {n} bytes is too short for seq_len={seq_len} with val_fraction={frac}"
+        )
+    cut1, cut2 = n - 2 * held, n - held
+    splits = {"train": data[:cut1], "val": data[cut1:cut2], "test": data[cut2:]}
+    return TextData(splits, seq_len, {**info, "bytes": n})
+
+
+# ============================================================================ model
+def _layer_norm(name=None):
+    return nn.LayerNorm(
+        name=name,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+    )
+
+
+def _dense(features, name, axes):
+    return nn.Dense(
+        features,
+        name=name,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[-1:]),
+    )
+
+
+class Mlp(nn.Module):
+    """``Dense(mlp_dim) -> gelu -> Dense(E)``, dropout after each: ``[B, T, E] -> [B, T, E]``."""
+
+    mlp_dim: int
+    dropout_rate: float = 0.0
+
+    @nn.compact
+    def __call__(self, x, *, deterministic: bool):
+        y = nn.gelu(_dense(self.mlp_dim, "wi", ("embed", "mlp"))(x))
+        y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+        y = _dense(x.shape[-1], "wo", ("mlp", "embed"))(y)
+        return nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+
+
+def drop_path(module: nn.Module, x, rate: float, deterministic: bool):
+    """Stochastic depth: zero a residual branch per example with probability `rate`."""
+    if deterministic or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rate, (x.shape[0],))
+    return x * (keep.astype(x.dtype) / (1.0 - rate))[:, None, None]
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block with any mechanism (shared by `CausalLM` and the ViT).
+
+    ``x + DropPath(Drop(MHA(LN(x))))`` then ``x + DropPath(MLP(LN(x)))``; ``[B, T, E]``.
+    With ``decode=True`` the attention is `RecurrentAttention` (same parameters), which
+    consumes one token per call and keeps its state in the ``cache`` collection.
+    """
+
+    num_heads: int
+    qkv_dim: int
+    mlp_dim: int
+    attention: str
+    attention_config: Any = ()
+    dropout_rate: float = 0.0
+    drop_path_rate: float = 0.0
+    causal: bool = False
+    decode: bool = False
+    max_len: int = 0
+
+    @nn.compact
+    def __call__(self, x, mask=None, *, deterministic: bool = True):
+        y = _layer_norm("ln_attention")(x)
+        if self.decode:
+            y = RecurrentAttention(
+                num_heads=self.num_heads,
+                qkv_features=self.qkv_dim,
+                attention=self.attention,
+                attention_config=self.attention_config,
+                max_len=self.max_len,
+                name="attention",
+            )(y)
+        else:
+            y = MultiHeadAttention(
+                num_heads=self.num_heads,
+                qkv_features=self.qkv_dim,
+                attention=self.attention,
+                attention_config=self.attention_config,
+                name="attention",
+            )(y, mask=mask, causal=self.causal, deterministic=deterministic)
+        y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+        x = x + drop_path(self, y, self.drop_path_rate, deterministic)
+        y = Mlp(self.mlp_dim, self.dropout_rate, name="mlp")(
+            _layer_norm("ln_mlp")(x), deterministic=deterministic
+        )
+        return x + drop_path(self, y, self.drop_path_rate, deterministic)
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM: tokens ``[B, T]`` -> logits ``[B, T, vocab_size]`` float32.
+
+    With ``decode=True`` tokens are ``[B, 1]``: one step of recurrent decoding (the caller
+    makes the ``cache`` collection mutable; see `init_cache`, `decode_step`).
+    """
+
+    vocab_size: int = VOCAB_SIZE
+    max_len: int = 256
+    num_layers: int = 2
+    emb_dim: int = 64
+    num_heads: int = 4
+    qkv_dim: int = 64
+    mlp_dim: int = 256
+    attention: str = "softmax"
+    attention_config: Any = ()
+    dropout_rate: float = 0.0
+    tie_embeddings: bool = True
+
+    @nn.compact
+    def __call__(self, tokens, *, deterministic: bool = True, decode: bool = False):
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [B, T] int ids, got shape {tokens.shape}")
+        mech = la.get(self.attention)
+        if not mech.supports_causal:
+            raise ValueError(
+                f"CausalLM needs a causal mechanism; {self.attention!r} is not one of "
+                f"{la.causal_names()}"
+            )
+        b, t = tokens.shape
+        if decode and t != 1:
+            raise ValueError(f"decode=True takes one token per call, got tokens {tokens.shape}")
+        if t > self.max_len:
+            raise ValueError(f"tokens length {t} exceeds max_len={self.max_len}")
+        embed = nn.Embed(
+            self.vocab_size,
+            self.emb_dim,
+            embedding_init=nn.with_logical_partitioning(
+                nn.initializers.normal(stddev=0.02), ("vocab", "embed")
+            ),
+            name="embed",
+        )
+        pos = self.param(
+            "pos_embed",
+            nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), ("length", "embed")),
+            (self.max_len, self.emb_dim),
+        )
+        if decode:
+            initialized = self.has_variable("cache", "position")
+            index = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))
+            p = jax.lax.dynamic_slice_in_dim(pos, index.value, 1, axis=0)  # [1, E]
+            if initialized:
+                index.value = index.value + 1
+        else:
+            p = pos[:t]
+        x = embed(tokens) + p[None]
+        x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+        for i in range(self.num_layers):
+            x = Block(
+                num_heads=self.num_heads,
+                qkv_dim=self.qkv_dim,
+                mlp_dim=self.mlp_dim,
+                attention=self.attention,
+                attention_config=self.attention_config,
+                dropout_rate=self.dropout_rate,
+                causal=True,
+                decode=decode,
+                max_len=self.max_len,
+                name=f"block_{i}",
+            )(x, deterministic=deterministic)
+        x = _layer_norm("ln_final")(x)
+        if self.tie_embeddings:
+            return embed.attend(x).astype(_f32)
+        return _dense(self.vocab_size, "logits", ("embed", "vocab"))(x).astype(_f32)
+
+
+# ============================================================================ recurrence
+class KeyTerms(NamedTuple):
+    """One token's key features in the factored form ``phi(k) = exp(a - c) * b + e``.
+
+    ``a``: ``[B, 1, H, 1 or M]`` log-magnitudes (the part a stabiliser c must absorb);
+    ``b``: ``[B, 1, H, M]``; ``e``: a Python float added to every feature; ``log_decay``:
+    ``[B, 1, H]`` log of the state decay g_t (rfa's gate) or None.
+    """
+
+    a: Any
+    b: Any
+    e: float = 0.0
+    log_decay: Any = None
+
+
+def _zeros_like_token(x):
+    return jnp.zeros((*x.shape[:3], 1), _f32)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentMap:
+    """How a feature-map mechanism runs token by token.
+
+    ``query(q, params, cfg) -> phi_q [B, 1, H, M]`` (the mechanism's own per-token query
+    features) and ``key(k, params, cfg) -> KeyTerms``; ``cfg`` is the bound config
+    (``Mechanism.defaults``).
+    """
+
+    query: Callable[..., Any]
+    key: Callable[..., KeyTerms]
+
+
+def _performer_key(k, params, cfg):
+    w = params["features"].astype(_f32)
+    kh = core.scale_inputs(k)
+    logits = jnp.einsum("bthd,hmd->bthm", kh, w) - 0.5 * jnp.sum(kh * kh, axis=-1, keepdims=True)
+    scale = w.shape[1] ** -0.5
+    return KeyTerms(logits, jnp.full_like(logits, scale), performer.FEATURE_EPS * scale)
+
+
+def _unit(x):
+    x = x.astype(_f32)
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-6)
+
+
+def _rfa_key(k, params, cfg):
+    feats = rfa.feature_map(k, params)
+    log_decay = None
+    if cfg.get("gate"):
+        g = jnp.einsum("bthd,hd->bth", _unit(k), params["gate_w"]) + params["gate_b"][None, None]
+        log_decay = jax.nn.log_sigmoid(g)
+        feats = feats * jax.nn.sigmoid(-g)[..., None]
+    return KeyTerms(_zeros_like_token(k), feats, 0.0, log_decay)
+
+
+def _flex_s_key(k, params, cfg):
+    kh = core.scale_inputs(k)
+    # feature_map_s with is_query=True applies the norm factor exp(s - s) = 1: the trig part.
+    return KeyTerms(
+        0.5 * jnp.sum(kh * kh, axis=-1, keepdims=True),
+        flexformer.feature_map_s(k, params, is_query=True),
+    )
+
+
+def _flex_n_key(k, params, cfg):
+    k32 = k.astype(_f32)
+    s = jnp.sum(k32 * k32, axis=-1, keepdims=True) * jnp.exp(-params["tau"])[None, None, :, None]
+    return KeyTerms(s, flexformer.feature_map_n(k, params, is_query=True))
+
+
+RECURRENT: dict[str, RecurrentMap] = {
+    "linear_elu": RecurrentMap(
+        query=lambda q, p, c: linear_elu.feature_map(q),
+        key=lambda k, p, c: KeyTerms(_zeros_like_token(k), linear_elu.feature_map(k)),
+    ),
+    "hedgehog": RecurrentMap(
+        query=lambda q, p, c: hedgehog.feature_map(q, p),
+        key=lambda k, p, c: KeyTerms(_zeros_like_token(k), hedgehog.feature_map(k, p)),
+    ),
+    "performer": RecurrentMap(
+        query=lambda q, p, c: performer.feature_map(q, p["features"], is_query=True),
+        key=_performer_key,
+    ),
+    "rfa": RecurrentMap(query=lambda q, p, c: rfa.feature_map(q, p), key=_rfa_key),
+    "flexformer_s": RecurrentMap(
+        query=lambda q, p, c: flexformer.feature_map_s(q, p, is_query=True), key=_flex_s_key
+    ),
+    "flexformer_n": RecurrentMap(
+        query=lambda q, p, c: flexformer.feature_map_n(q, p, is_query=True), key=_flex_n_key
+    ),
+}
+
+
+def recurrent_update(state, phi_q, terms: KeyTerms, v):
+    """One step of the stabilised recurrence; returns ``(out [B, 1, H, Dv] f32, state)``.
+
+    ``state = (S [B,H,M,Dv], z [B,H,M], c [B,H], sum_v [B,H,Dv], count [B,H])`` where
+    ``S, z`` hold ``sum_j exp(a_j - c) b_j (v_j, 1)`` under the running max ``c`` and
+    ``sum_v, count`` the (unscaled) eps part.
+    """
+    s, z, c, sum_v, count = state
+    a = terms.a[:, 0].astype(_f32)  # [B, H, A]
+    b = terms.b[:, 0].astype(_f32)  # [B, H, M]
+    v = v[:, 0].astype(_f32)  # [B, H, Dv]
+    g = jnp.ones_like(c) if terms.log_decay is None else jnp.exp(terms.log_decay[:, 0])
+    c_new = jnp.maximum(c, jnp.max(a, axis=-1))  # [B, H]
+    old = g * jnp.exp(c - c_new)  # rescale to the new stabiliser, then decay
+    kf = jnp.exp(a - c_new[..., None]) * b  # [B, H, M]
+    s = s * old[..., None, None] + kf[..., None] * v[:, :, None, :]
+    z = z * old[..., None] + kf
+    sum_v = sum_v * g[..., None] + v
+    count = count * g + 1.0
+    pq = phi_q[:, 0].astype(_f32)  # [B, H, M]
+    pq_sum = jnp.sum(pq, axis=-1)  # [B, H]
+    num = jnp.einsum("bhm,bhmd->bhd", pq, s) + (terms.e * pq_sum)[..., None] * sum_v
+    den = jnp.einsum("bhm,bhm->bh", pq, z) + terms.e * pq_sum * count
+    out = num / core.guard_denominator(den)[..., None]
+    return out[:, None], (s, z, c_new, sum_v, count)
+
+
+class RecurrentAttention(nn.Module):
+    """One-token attention with a recurrent state (or a KV cache); the parameters of
+    `linattn_jax.linen.MultiHeadAttention` (same names, shapes and collections), so a model
+    trained in parallel form decodes with its own variables.
+
+    Call with ``x [B, 1, F]`` and the ``cache`` collection mutable. Feature-map mechanisms
+    (`RECURRENT`) keep ``(S, z, c, sum_v, count)`` per head; the others keep ``max_len`` keys
+    and values and run the mechanism (deterministic) over the cached prefix.
+    """
+
+    num_heads: int
+    qkv_features: int | None = None
+    out_features: int | None = None
+    attention: str = "softmax"
+    attention_config: Any = ()
+    max_len: int = 0
+    use_bias: bool = True
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        if x.ndim != 3 or x.shape[1] != 1:
+            raise ValueError(f"RecurrentAttention takes one token [B, 1, F], got {x.shape}")
+        features = x.shape[-1]
+        qkv_features = self.qkv_features or features
+        head_dim = mu.head_dims(self.num_heads, qkv_features)
+        mech = mu.bound_mechanism(self.attention, dict(self.attention_config))
+        init = nn.initializers.lecun_normal()
+
+        def proj(name):
+            return nn.DenseGeneral(
+                (self.num_heads, head_dim),
+                use_bias=self.use_bias,
+                name=name,
+                param_dtype=self.param_dtype,
+                kernel_init=nn.with_logical_partitioning(init, mu.QKV_AXES),
+            )
+
+        q, k, v = proj("query")(x), proj("key")(x), proj("value")(x)  # [B, 1, H, D]
+
+        def init_split(rng, which):
+            params = mech.init(rng, num_heads=self.num_heads, head_dim=head_dim)
+            return mu.split_params(mech, params)[which]
+
+        params = dict(self.param("mechanism", init_split, 0))
+        if mech.fixed_params():
+            params.update(
+                self.variable(
+                    "fixed", "mechanism", lambda: init_split(self.make_rng("params"), 1)
+                ).value
+            )
+        b, h = x.shape[0], self.num_heads
+        rec = RECURRENT.get(mech.name)
+        initialized = self.has_variable("cache", "state")
+        if rec is not None:
+            cfg = mech.defaults
+            phi_q = rec.query(q, params, cfg)
+            terms = rec.key(k, params, cfg)
+            m = phi_q.shape[-1]
+
+            def zeros():
+                return (
+                    jnp.zeros((b, h, m, head_dim), _f32),
+                    jnp.zeros((b, h, m), _f32),
+                    jnp.full((b, h), _NEG, _f32),
+                    jnp.zeros((b, h, head_dim), _f32),
+                    jnp.zeros((b, h), _f32),
+                )
+
+            state = self.variable("cache", "state", zeros)
+            out, new = recurrent_update(state.value, phi_q, terms, v)
+            if initialized:
+                state.value = new
+        else:
+            if self.max_len < 1:
+                raise ValueError(
+                    f"{mech.name!r} decodes with a KV cache: RecurrentAttention needs max_len"
+                )
+
+            def zeros():
+                shape = (b, self.max_len, h, head_dim)
+                return (jnp.zeros(shape, k.dtype), jnp.zeros(shape, v.dtype), jnp.int32(0))
+
+            state = self.variable("cache", "state", zeros)
+            kc, vc, idx = state.value
+            kc = jax.lax.dynamic_update_slice_in_dim(kc, k, idx, axis=1)
+            vc = jax.lax.dynamic_update_slice_in_dim(vc, v, idx, axis=1)
+            mask = jnp.broadcast_to(jnp.arange(self.max_len)[None, :] <= idx, (b, self.max_len))
+            out = mech.attention(q, kc, vc, params, None, mask=mask, deterministic=True)
+            if initialized:
+                state.value = (kc, vc, idx + 1)
+        return nn.DenseGeneral(
+            self.out_features or features,
+            axis=(-2, -1),
+            use_bias=self.use_bias,
+            name="out",
+            param_dtype=self.param_dtype,
+            kernel_init=nn.with_logical_partitioning(init, mu.OUT_AXES),
+        )(out.astype(q.dtype))
+
+
+def init_cache(model: CausalLM, variables, batch_size: int):
+    """The empty decoding cache (``cache`` collection) for `batch_size` sequences."""
+    params_only = {k: v for k, v in variables.items() if k != "cache"}
+
+    def fn():
+        _, updates = model.apply(
+            params_only,
+            jnp.zeros((batch_size, 1), jnp.int32),
+            decode=True,
+            mutable=["cache"],
+        )
+        return updates["cache"]
+
+    return jax.jit(fn)()
+
+
+def decode_step(model: CausalLM, variables, cache, tokens):
+    """One token per sequence: ``tokens [B]`` -> ``(logits [B, V], cache)``."""
+    out, updates = model.apply(
+        {**variables, "cache": cache}, tokens[:, None], decode=True, mutable=["cache"]
+    )
+    return out[:, 0], updates["cache"]
+
+
+def recurrent_logits(model: CausalLM, variables, tokens):
+    """Logits ``[B, T, V]`` of `tokens` ``[B, T]`` computed token by token (the recurrent form).
+
+    Equals ``model.apply(variables, tokens)`` (the parallel form) up to float rounding; see
+    the module docstring for performer's eps term.
+    """
+    variables = {k: v for k, v in variables.items() if k != "cache"}
+    cache = init_cache(model, variables, tokens.shape[0])
+
+    @jax.jit
+    def run(cache, tokens):
+        def step(cache, tok):
+            logits, cache = decode_step(model, variables, cache, tok)
+            return cache, logits
+
+        _, logits = jax.lax.scan(step, cache, jnp.swapaxes(tokens, 0, 1))
+        return jnp.swapaxes(logits, 0, 1)
+
+    return run(cache, tokens)
+
+
+def generate(
+    model: CausalLM,
+    variables,
+    prompt,
+    num_tokens: int,
+    rng,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+):
+    """Sample `num_tokens` continuations of `prompt` ``[B, P]`` (int ids) with the recurrence.
+
+    The prompt is consumed token by token (constant memory for feature-map mechanisms),
+    then tokens are sampled from ``softmax(logits / temperature)`` (greedy when
+    ``temperature == 0``; ``top_k`` keeps the k most likely). Returns ``[B, P + num_tokens]``.
+    Positions are learned, so ``P + num_tokens <= model.max_len``.
+    """
+    prompt = jnp.asarray(prompt, jnp.int32)
+    if prompt.ndim != 2 or prompt.shape[1] < 1:
+        raise ValueError(f"prompt must be [B, P] with P >= 1, got shape {prompt.shape}")
+    total = prompt.shape[1] + num_tokens
+    if total > model.max_len:
+        raise ValueError(f"prompt + num_tokens = {total} exceeds max_len={model.max_len}")
+    variables = {k: v for k, v in variables.items() if k != "cache"}
+    cache = init_cache(model, variables, prompt.shape[0])
+
+    def sample(logits, key):
+        logits = logits.at[:, 0].set(-jnp.inf)  # never sample padding
+        if temperature == 0:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logits = logits / temperature
+        if top_k is not None:
+            kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+            logits = jnp.where(logits < kth, -jnp.inf, logits)
+        return jax.random.categorical(key, logits).astype(jnp.int32)
+
+    @jax.jit
+    def run(cache, prompt, rng):
+        def feed(cache, tok):
+            logits, cache = decode_step(model, variables, cache, tok)
+            return cache, logits
+
+        cache, logits = jax.lax.scan(feed, cache, jnp.swapaxes(prompt, 0, 1))
+        first = sample(logits[-1], jax.random.fold_in(rng, 0))
+
+        def gen(carry, i):
+            cache, tok = carry
+            logits, cache = decode_step(model, variables, cache, tok)
+            nxt = sample(logits, jax.random.fold_in(rng, i))
+            return (cache, nxt), tok
+
+        (_, last), toks = jax.lax.scan(gen, (cache, first), jnp.arange(1, num_tokens))
+        out = jnp.concatenate([jnp.swapaxes(toks, 0, 1), last[:, None]], axis=1)
+        return jnp.concatenate([prompt, out[:, :num_tokens]], axis=1)
+
+    if num_tokens == 0:
+        return prompt
+    return run(cache, prompt, rng)
+
+
+# ============================================================================ loss
+def token_nll(logits, targets, weights=None):
+    """``(sum of NLL, number of tokens)`` over ``targets [B, T]`` (0 = pad, not counted).
+
+    `weights` ``[B]`` zeroes whole rows (eval padding).
+    """
+    logp = jax.nn.log_softmax(logits.astype(_f32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [B, T]
+    w = (targets != 0).astype(_f32)
+    if weights is not None:
+        w = w * weights.astype(_f32)[:, None]
+    return jnp.sum(nll * w), jnp.sum(w)
+
+
+def perplexity(nll_sum, count) -> dict[str, float]:
+    """``{"loss", "perplexity", "bits_per_byte"}`` from summed NLL (nats) and token count."""
+    mean = float(nll_sum) / max(float(count), 1.0)
+    return {
+        "loss": mean,
+        "perplexity": math.exp(min(mean, 50.0)),
+        "bits_per_byte": mean / math.log(2),
+    }
+
+
+def evaluate_perplexity(
+    model, variables, data: TextData, split="val", batch_size=8, max_batches=None
+):
+    """Perplexity of `model` on ``data[split]`` (one ordered pass; deterministic)."""
+
+    @jax.jit
+    def nll(batch):
+        logits = model.apply(variables, batch["inputs"], deterministic=True)
+        return token_nll(logits, batch["targets"], batch["mask"])
+
+    total, count = 0.0, 0.0
+    for batch in data.eval_batches(split, batch_size, max_batches=max_batches):
+        s, c = nll({k: jnp.asarray(v) for k, v in batch.items()})
+        total, count = total + float(s), count + float(c)
+    return perplexity(total, count)
+
+
+def decode_text(ids) -> str:
+    """Token ids -> text (bytes decoded as UTF-8 with replacement)."""
+    return decode_bytes(np.asarray(ids)).decode("utf-8", errors="replace")
+
+
+def encode_text(text: str) -> np.ndarray:
+    """Text -> int32 ids ``byte + 1``."""
+    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32) + BYTE_OFFSET
+
+
+__all__ = [
+    "RECURRENT",
+    "Block",
+    "CausalLM",
+    "KeyTerms",
+    "Mlp",
+    "RecurrentAttention",
+    "RecurrentMap",
+    "TextData",
+    "decode_step",
+    "decode_text",
+    "encode_text",
+    "evaluate_perplexity",
+    "generate",
+    "init_cache",
+    "load_text",
+    "perplexity",
+    "recurrent_logits",
+    "stdlib_text",
+    "token_nll",
+]

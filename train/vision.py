@@ -1,0 +1,636 @@
+"""Vision transformers (ViT / DeiT) with any attention mechanism, on ImageNet-1k and CIFAR-10.
+
+Model (`ViT`, Dosovitskiy et al. 2021 / DeiT, Touvron et al. 2021)::
+
+    patches = Conv(p x p, stride p)(normalise(image))        [B, h, w, E]   (h = H / p)
+    x = [CLS; patches] + pos_emb                               [B, 1 + h w, E]
+    repeat num_layers:  x = x + DropPath(MHA(LN(x)));  x = x + DropPath(MLP(LN(x)))
+    logits = Dense(classes)(LN(x)[:, 0])                       (or the mean of the patch tokens)
+
+The attention is any registered mechanism (`train.lm.Block`, i.e.
+`linattn_jax.linen.MultiHeadAttention`). Mechanisms whose config takes ``grid`` (the
+Nystrom family -- nystromformer, soft, laplacian -- and lara; ``"grid" in
+la.get(name).defaults``) get ``grid=(h, w)``: their landmarks / proposals are 2-D average
+pools of the patch grid (the CLS token takes no part in them), see `attention_config`.
+
+Inputs: images as uint8/int pixels. The model takes either ``[B, H, W, C]`` or the
+flattened row-major ``[B, H * W * C]`` (the layout of the training loop's token batches);
+pixels are normalised inside the model with the ImageNet mean/std.
+
+Data (`ImageTask`): tfds ``imagenet2012`` (manual download; train / validation) or
+``cifar10`` (train[:90%] / train[90%:] / test), read with ``tfds.data_source`` (no
+TensorFlow at train time). Training augmentation in numpy, per example from a generator
+seeded by ``(seed, stream position)`` (grain ``random_map``), so the stream is resumable:
+ImageNet -- Inception-style random-resized crop (scale (0.08, 1), ratio (3/4, 4/3)) to
+``image_size`` and a horizontal flip; evaluation -- resize the short side to
+``image_size / 0.875`` and centre-crop. CIFAR -- 4-pixel zero-padded random crop and a
+flip; evaluation -- the image. Mixup / CutMix (DeiT: 0.8 / 1.0, switch 0.5) are applied on
+device inside the model in training mode (`mix_images`, rng stream ``dropout``) and the
+labels mixed in the loss (`vit_loss`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import linattn_jax as la
+
+from .data import _config
+from .data.tfds_tasks import open_source
+from .lm import Block, _dense, _layer_norm
+
+IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+POOLINGS = ("cls", "mean")
+
+
+def attention_config(attention: str, config: Any, grid: tuple[int, int]) -> tuple:
+    """The mechanism config as sorted hashable pairs, with ``grid`` added where it applies.
+
+    ``grid=(h, w)`` (the patch grid) is added when the mechanism accepts a ``grid`` key and
+    the caller did not set one; other mechanisms get the config unchanged.
+    """
+    raw = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
+    raw = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+    if "grid" in la.get(attention).defaults and raw.get("grid") is None:
+        raw["grid"] = (int(grid[0]), int(grid[1]))
+    return tuple(sorted(raw.items()))
+
+
+class ViT(nn.Module):
+    """ViT / DeiT classifier: images -> logits ``[B, num_classes]`` float32.
+
+    Attributes:
+      num_classes: output classes.
+      image_size: ``(H, W)`` of the inputs (needed to unflatten ``[B, H*W*C]`` batches).
+      channels: C.
+      patch_size: p (H and W must be multiples of p).
+      emb_dim, num_layers, num_heads, mlp_dim: sizes (DeiT-tiny: 192, 12, 3, 768).
+      qkv_dim: total q/k/v width (default emb_dim).
+      attention, attention_config: the mechanism (registry name, config pairs); ``grid``
+        is filled in by `attention_config`.
+      dropout_rate: dropout on embeddings and residual branches.
+      drop_path_rate: stochastic depth, linearly increasing to this over the blocks.
+      pooling: ``cls`` (DeiT) or ``mean`` (of the patch tokens).
+      mixup_alpha, cutmix_alpha, mix_switch_prob: training-time Mixup / CutMix (`mix_images`,
+        rng stream ``dropout``). When either alpha is > 0 the model returns
+        ``{"logits", "mix_lam"}`` (``mix_lam = 1`` when deterministic) and the loss mixes the
+        labels as ``lam y + (1 - lam) y[::-1]`` (`vit_loss`); otherwise the logits.
+    """
+
+    num_classes: int
+    image_size: tuple[int, int] = (32, 32)
+    channels: int = 3
+    patch_size: int = 4
+    emb_dim: int = 192
+    num_layers: int = 12
+    num_heads: int = 3
+    mlp_dim: int = 768
+    qkv_dim: int | None = None
+    attention: str = "softmax"
+    attention_config: Any = ()
+    dropout_rate: float = 0.0
+    drop_path_rate: float = 0.0
+    pooling: str = "cls"
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    mix_switch_prob: float = 0.5
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        h, w = self.image_size
+        p = self.patch_size
+        if h % p or w % p:
+            raise ValueError(f"image_size {self.image_size} must be multiples of patch_size={p}")
+        return h // p, w // p
+
+    def block_attention_config(self) -> tuple:
+        """The config every attention layer gets (``grid`` added where it applies)."""
+        return attention_config(self.attention, self.attention_config, self.grid)
+
+    @nn.compact
+    def __call__(self, images, *, deterministic: bool = True):
+        h, w = self.image_size
+        c = self.channels
+        if images.ndim == 2:
+            if images.shape[1] != h * w * c:
+                raise ValueError(
+                    f"flattened images must be [B, H*W*C] = [B, {h * w * c}], got {images.shape}"
+                )
+            images = images.reshape(images.shape[0], h, w, c)
+        if images.shape[1:] != (h, w, c):
+            raise ValueError(f"images must be [B, {h}, {w}, {c}], got shape {images.shape}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        gh, gw = self.grid
+        x = images.astype(jnp.float32)
+        if c == 3:
+            mean = jnp.asarray(IMAGENET_MEAN, jnp.float32)
+            std = jnp.asarray(IMAGENET_STD, jnp.float32)
+        else:
+            mean, std = jnp.full((c,), 127.5, jnp.float32), jnp.full((c,), 127.5, jnp.float32)
+        x = (x - mean[None, None, None, :]) / std[None, None, None, :]
+        mixing = self.mixup_alpha > 0 or self.cutmix_alpha > 0
+        lam = jnp.ones((), jnp.float32)
+        if mixing and not deterministic:
+            x, lam = mix_images(
+                self.make_rng("dropout"),
+                x,
+                mixup_alpha=self.mixup_alpha,
+                cutmix_alpha=self.cutmix_alpha,
+                switch_prob=self.mix_switch_prob,
+            )
+        x = nn.Conv(
+            self.emb_dim,
+            (self.patch_size, self.patch_size),
+            strides=(self.patch_size, self.patch_size),
+            padding="VALID",
+            kernel_init=nn.with_logical_partitioning(
+                nn.initializers.lecun_normal(), (None, None, None, "embed")
+            ),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+            name="patch_embed",
+        )(x)  # [B, gh, gw, E]
+        b = x.shape[0]
+        x = x.reshape(b, gh * gw, self.emb_dim)
+        cls = self.param(
+            "cls",
+            nn.with_logical_partitioning(nn.initializers.zeros_init(), (None, None, "embed")),
+            (1, 1, self.emb_dim),
+        )
+        x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, self.emb_dim)), x], axis=1)
+        pos = self.param(
+            "pos_embed",
+            nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), ("length", "embed")),
+            (1 + gh * gw, self.emb_dim),
+        )
+        x = x + pos[None]
+        x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+        config = self.block_attention_config()
+        for i in range(self.num_layers):
+            rate = self.drop_path_rate * i / max(self.num_layers - 1, 1)
+            x = Block(
+                num_heads=self.num_heads,
+                qkv_dim=self.qkv_dim or self.emb_dim,
+                mlp_dim=self.mlp_dim,
+                attention=self.attention,
+                attention_config=config,
+                dropout_rate=self.dropout_rate,
+                drop_path_rate=rate,
+                name=f"block_{i}",
+            )(x, deterministic=deterministic)
+        x = _layer_norm("ln_final")(x)
+        pooled = x[:, 0] if self.pooling == "cls" else jnp.mean(x[:, 1:], axis=1)
+        logits = _dense(self.num_classes, "head", ("embed", "classes"))(pooled)
+        logits = logits.astype(jnp.float32)
+        return {"logits": logits, "mix_lam": lam} if mixing else logits
+
+
+def build_vit(config, *, num_classes: int, image_size, channels: int = 3) -> ViT:
+    """The `ViT` of ``config.model`` / ``config.attention`` / ``config.attention_config``."""
+    m = config.model
+    return ViT(
+        num_classes=num_classes,
+        image_size=tuple(image_size),
+        channels=channels,
+        patch_size=int(m.patch_size),
+        emb_dim=int(m.emb_dim),
+        num_layers=int(m.num_layers),
+        num_heads=int(m.num_heads),
+        mlp_dim=int(m.mlp_dim),
+        qkv_dim=m.get("qkv_dim") or None,
+        attention=config.attention,
+        attention_config=attention_config(
+            config.attention, config.attention_config, _grid(image_size, int(m.patch_size))
+        ),
+        dropout_rate=float(m.dropout_rate),
+        drop_path_rate=float(m.drop_path_rate),
+        pooling=m.pooling,
+    )
+
+
+def _grid(image_size, patch):
+    return image_size[0] // patch, image_size[1] // patch
+
+
+# ============================================================================ augmentation
+def _resize(img: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """Bilinear resize of uint8 ``[H, W, C]`` to ``size = (H', W')`` (PIL, antialiased)."""
+    from PIL import Image
+
+    if img.shape[:2] == tuple(size):
+        return img
+    squeeze = img.shape[-1] == 1
+    pil = Image.fromarray(img[..., 0] if squeeze else img)
+    out = np.asarray(pil.resize((size[1], size[0]), Image.BILINEAR))
+    return out[..., None] if squeeze else out
+
+
+def _as_rgb(img) -> np.ndarray:
+    img = np.asarray(img)
+    if img.ndim == 2:
+        img = img[..., None]
+    if img.dtype != np.uint8:
+        img = np.clip(img, 0, 255).astype(np.uint8)
+    return img
+
+
+def random_resized_crop(
+    img: np.ndarray,
+    rng: np.random.Generator,
+    size: int,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    attempts: int = 10,
+) -> np.ndarray:
+    """Inception-style crop: area fraction ~ U(scale), log aspect ~ U(log ratio), resized.
+
+    Falls back to a centre crop at the clamped aspect ratio after `attempts` misses (as
+    torchvision does). ``[H, W, C] uint8 -> [size, size, C] uint8``.
+    """
+    h, w = img.shape[:2]
+    area = h * w
+    for _ in range(attempts):
+        target = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1])))
+        cw = int(round(math.sqrt(target * aspect)))
+        ch = int(round(math.sqrt(target / aspect)))
+        if 0 < cw <= w and 0 < ch <= h:
+            top = int(rng.integers(0, h - ch + 1))
+            left = int(rng.integers(0, w - cw + 1))
+            return _resize(img[top : top + ch, left : left + cw], (size, size))
+    in_ratio = w / h
+    if in_ratio < ratio[0]:
+        cw, ch = w, int(round(w / ratio[0]))
+    elif in_ratio > ratio[1]:
+        ch, cw = h, int(round(h * ratio[1]))
+    else:
+        cw, ch = w, h
+    top, left = (h - ch) // 2, (w - cw) // 2
+    return _resize(img[top : top + ch, left : left + cw], (size, size))
+
+
+def center_crop(img: np.ndarray, size: int, crop_fraction: float = 0.875) -> np.ndarray:
+    """Resize the short side to ``size / crop_fraction`` then take the central size x size."""
+    h, w = img.shape[:2]
+    short = int(round(size / crop_fraction))
+    if h <= w:
+        nh, nw = short, max(size, int(round(w * short / h)))
+    else:
+        nw, nh = short, max(size, int(round(h * short / w)))
+    img = _resize(img, (nh, nw))
+    top, left = (nh - size) // 2, (nw - size) // 2
+    return img[top : top + size, left : left + size]
+
+
+def pad_crop_flip(img: np.ndarray, rng: np.random.Generator, pad: int = 4) -> np.ndarray:
+    """CIFAR augmentation: zero-pad by `pad`, random crop back to the size, random flip."""
+    h, w = img.shape[:2]
+    padded = np.pad(img, ((pad, pad), (pad, pad), (0, 0)))
+    top, left = int(rng.integers(0, 2 * pad + 1)), int(rng.integers(0, 2 * pad + 1))
+    out = padded[top : top + h, left : left + w]
+    return out[:, ::-1] if rng.random() < 0.5 else out
+
+
+# ============================================================================ data
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImageTask:
+    """An image classification data set with the ``train.data.Task`` batch API.
+
+    Batches: ``inputs`` pixels flattened to int32 ``[B, H * W * C]`` (``flatten=True``, the
+    loop's token layout) or uint8 ``[B, H, W, C]``, ``targets`` int32 ``[B]``; evaluation batches
+    add ``mask`` bool ``[B]``. The training stream is a pure function of
+    ``(seed, batch_size, step)`` (shuffle by grain, augmentation from the stream position).
+
+    Attributes:
+      name: ``imagenet2012`` or ``cifar10``.
+      splits: split -> random-access source of ``{"image", "label"}`` records.
+      num_classes: classes.
+      image_size: ``(H, W)`` of the batches.
+      channels: C.
+      augment: ``"inception"`` (ImageNet), ``"pad_crop"`` (CIFAR) or ``"none"``.
+      flatten: batches hold ``[B, H*W*C]`` pixels.
+    """
+
+    name: str
+    splits: Mapping[str, Any]
+    num_classes: int
+    image_size: tuple[int, int]
+    channels: int = 3
+    augment: str = "pad_crop"
+    flatten: bool = True
+    crop_fraction: float = 0.875
+    batch_size: int = 32
+    seed: int = 0
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    input_keys = ("inputs",)
+    is_pair = False
+
+    @property
+    def seq_len(self) -> int:
+        """Length of a flattened image (what the loop's dummy inputs are sized by)."""
+        return self.image_size[0] * self.image_size[1] * self.channels
+
+    def source(self, split: str):
+        if split not in self.splits:
+            raise KeyError(f"task {self.name!r} has no split {split!r}; has {list(self.splits)}")
+        return self.splits[split]
+
+    def num_examples(self, split: str) -> int:
+        return len(self.source(split))
+
+    def steps_per_epoch(self, batch_size: int | None = None, split: str = "train") -> int:
+        return self.num_examples(split) // (batch_size or self.batch_size)
+
+    # -------------------------------------------------------------- per-example transforms
+    def _finish(self, img: np.ndarray, label) -> dict[str, np.ndarray]:
+        if img.shape[-1] != self.channels:
+            if self.channels == 3 and img.shape[-1] == 1:
+                img = np.repeat(img, 3, axis=-1)
+            else:
+                raise ValueError(
+                    f"{self.name}: image has shape {img.shape}, want C={self.channels}"
+                )
+        img = np.ascontiguousarray(img, dtype=np.uint8)
+        if self.flatten:
+            # int32: the loop's batch specs are int32 token rows (uint8 would be 4x smaller)
+            img = img.reshape(-1).astype(np.int32)
+        return {"inputs": img, "targets": np.int32(label)}
+
+    def train_example(self, record, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        img = _as_rgb(record["image"])
+        size = self.image_size[0]
+        if self.augment == "inception":
+            img = random_resized_crop(img, rng, size)
+            if rng.random() < 0.5:
+                img = img[:, ::-1]
+        elif self.augment == "pad_crop":
+            img = pad_crop_flip(_resize(img, self.image_size), rng)
+        elif self.augment == "none":
+            img = _resize(img, self.image_size)
+        else:
+            raise ValueError(f"augment must be inception, pad_crop or none, got {self.augment!r}")
+        return self._finish(img, record["label"])
+
+    def eval_example(self, record) -> dict[str, np.ndarray]:
+        img = _as_rgb(record["image"])
+        if self.augment == "inception":
+            img = center_crop(img, self.image_size[0], self.crop_fraction)
+        else:
+            img = _resize(img, self.image_size)
+        return self._finish(img, record["label"])
+
+    # -------------------------------------------------------------- batches
+    def _collate(self, examples):
+        return {
+            "inputs": np.stack([e["inputs"] for e in examples]),
+            "targets": np.asarray([e["targets"] for e in examples], np.int32),
+        }
+
+    def train_dataset(
+        self, batch_size=None, *, seed=None, split="train", process_index=0, process_count=1
+    ):
+        """The endless augmented stream as a ``grain.MapDataset`` of (per-process) batches."""
+        import grain
+
+        from .data.pipeline import _check_process, shuffle_seed
+
+        batch_size = batch_size or self.batch_size
+        seed = self.seed if seed is None else seed
+        local = _check_process(batch_size, process_index, process_count)
+        src = self.source(split)
+        if len(src) == 0:
+            raise ValueError(f"task {self.name!r} split {split!r} is empty")
+        ds = grain.MapDataset.source(src).shuffle(seed=shuffle_seed(seed)).repeat()
+        # the augmentation generator is seeded by (seed, position in the global stream)
+        ds = ds.random_map(self.train_example, seed=shuffle_seed(seed + 1))
+        if process_count > 1:
+            ds = ds[process_index::process_count]
+        return ds.batch(local, drop_remainder=True, batch_fn=self._collate)
+
+    def train_batch(self, step: int, batch_size=None, **kwargs):
+        return self.train_dataset(batch_size, **kwargs)[int(step)]
+
+    def train_batches(
+        self,
+        batch_size=None,
+        *,
+        seed=None,
+        start_step=0,
+        split="train",
+        num_threads=0,
+        prefetch=2,
+        process_index=0,
+        process_count=1,
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """Endless training batches from ``start_step`` (same contract as ``Task``)."""
+        import grain
+
+        ds = self.train_dataset(
+            batch_size,
+            seed=seed,
+            split=split,
+            process_index=process_index,
+            process_count=process_count,
+        )
+        if start_step:
+            ds = ds[int(start_step) :]
+        options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
+        return iter(ds.to_iter_dataset(options))
+
+    def num_eval_batches(self, split: str, batch_size=None) -> int:
+        return math.ceil(self.num_examples(split) / (batch_size or self.batch_size))
+
+    def eval_batches(
+        self, split: str, batch_size=None, *, process_index=0, process_count=1
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """One ordered pass over `split`; the last batch padded, flagged by ``mask``."""
+        from .data.pipeline import _check_process
+
+        batch_size = batch_size or self.batch_size
+        local = _check_process(batch_size, process_index, process_count)
+        src = self.source(split)
+        n = len(src)
+        if n == 0:
+            return
+        blank = None
+        for b in range(self.num_eval_batches(split, batch_size)):
+            positions = b * batch_size + process_index + process_count * np.arange(local)
+            rows = []
+            for p in positions:
+                if p < n:
+                    rows.append(self.eval_example(src[int(p)]))
+                else:
+                    if blank is None:
+                        first = rows[0] if rows else self.eval_example(src[0])
+                        blank = {k: np.zeros_like(v) for k, v in first.items()}
+                    rows.append(blank)
+            batch = self._collate(rows)
+            batch["mask"] = positions < n
+            yield batch
+
+
+class _Subset:
+    """``src[indices[i]]``: a random-access view of a subset of a source."""
+
+    def __init__(self, src, indices):
+        self.src, self.indices = src, np.asarray(indices, np.int64)
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        return self.src[int(self.indices[int(i)])]
+
+
+def _subset(src, size, seed):
+    if size is None or size >= len(src):
+        return src
+    idx = np.sort(np.random.default_rng(seed).choice(len(src), size=size, replace=False))
+    return _Subset(src, idx)
+
+
+def build_image_task(cfg: Mapping[str, Any]) -> ImageTask:
+    """`ImageTask` for ``cfg["dataset"]`` (``imagenet2012`` or ``cifar10``).
+
+    Keys (all optional): ``dataset``, ``image_size`` (default 224 / 32), ``data_dir`` /
+    ``tfds_data_dir`` (the tfds data dir; ImageNet must be built there from the manual
+    download), ``num_train`` / ``num_val`` / ``num_test`` (random subsets), ``augment``,
+    ``crop_fraction``, ``batch_size``, ``seed``, ``flatten``.
+
+    Raises:
+      DatasetNotFoundError: the data set is not built under the tfds data dir.
+    """
+    from .data.tfds_tasks import tfds_data_dir
+
+    name = cfg.get("dataset") or "cifar10"
+    data_dir = tfds_data_dir(cfg)
+    if name == "imagenet2012":
+        size = int(cfg.get("image_size") or 224)
+        train = open_source(name, "train", data_dir)
+        val = open_source(name, "validation", data_dir)
+        splits = {"train": train, "val": val, "test": val}
+        num_classes, augment = 1000, cfg.get("augment") or "inception"
+    elif name == "cifar10":
+        size = int(cfg.get("image_size") or 32)
+        train = open_source(name, "train", data_dir)
+        test = open_source(name, "test", data_dir)
+        cut = int(0.9 * len(train))
+        splits = {
+            "train": _Subset(train, np.arange(cut)),
+            "val": _Subset(train, np.arange(cut, len(train))),
+            "test": test,
+        }
+        num_classes, augment = 10, cfg.get("augment") or "pad_crop"
+    else:
+        raise ValueError(f"dataset must be 'imagenet2012' or 'cifar10', got {name!r}")
+    splits = {
+        s: _subset(src, cfg.get(f"num_{s}"), seed=i) for i, (s, src) in enumerate(splits.items())
+    }
+    return ImageTask(
+        name=name,
+        splits=splits,
+        num_classes=num_classes,
+        image_size=(size, size),
+        augment=augment,
+        flatten=bool(cfg.get("flatten", True)),
+        crop_fraction=float(cfg.get("crop_fraction") or 0.875),
+        batch_size=_config.positive_int(cfg, "batch_size", 32),
+        seed=int(cfg.get("seed") or 0),
+        info={"source": f"tfds {name}", "tfds_data_dir": str(data_dir)},
+    )
+
+
+# ============================================================================ loss
+def mix_images(rng, images, *, mixup_alpha=0.8, cutmix_alpha=1.0, switch_prob=0.5):
+    """Mixup / CutMix of a batch with its reverse ``images[::-1]`` (DeiT's recipe, one lam
+    per batch).
+
+    Args:
+      rng: a jax key.
+      images: ``[B, H, W, C]`` float.
+    Returns:
+      ``(mixed [B, H, W, C], lam [])``: with probability `switch_prob` (always when
+      ``mixup_alpha == 0``) CutMix -- a box of area ``1 - lam``, lam ~ Beta(cutmix_alpha,
+      cutmix_alpha), pasted from the reversed batch, lam corrected to the clipped box's
+      area -- else Mixup ``lam x + (1 - lam) x[::-1]``, lam ~ Beta(mixup_alpha,
+      mixup_alpha). The labels mix with the same lam: ``lam y + (1 - lam) y[::-1]``.
+    """
+    if mixup_alpha <= 0 and cutmix_alpha <= 0:
+        return images, jnp.ones((), jnp.float32)
+    k_switch, k_mix, k_cut, k_pos = jax.random.split(rng, 4)
+    b, h, w, _ = images.shape
+    flipped = images[::-1]
+    lam_mix = jnp.ones((), jnp.float32)
+    if mixup_alpha > 0:
+        lam_mix = jax.random.beta(k_mix, mixup_alpha, mixup_alpha)
+    mixed = lam_mix * images + (1.0 - lam_mix) * flipped
+    if cutmix_alpha <= 0:
+        return mixed, lam_mix
+    lam_cut = jax.random.beta(k_cut, cutmix_alpha, cutmix_alpha)
+    # box of area (1 - lam) H W centred uniformly, clipped to the image
+    side = jnp.sqrt(1.0 - lam_cut)
+    cy, cx = jax.random.uniform(k_pos, (2,)) * jnp.asarray([h, w], jnp.float32)
+    y0, y1 = jnp.clip(cy - side * h / 2, 0, h), jnp.clip(cy + side * h / 2, 0, h)
+    x0, x1 = jnp.clip(cx - side * w / 2, 0, w), jnp.clip(cx + side * w / 2, 0, w)
+    ys = jnp.arange(h, dtype=jnp.float32) + 0.5
+    xs = jnp.arange(w, dtype=jnp.float32) + 0.5
+    box = ((ys[:, None] >= y0) & (ys[:, None] < y1)) & ((xs[None, :] >= x0) & (xs[None, :] < x1))
+    lam_box = 1.0 - jnp.mean(box.astype(jnp.float32))
+    cut = jnp.where(box[None, :, :, None], flipped, images)
+    use_cut = jnp.asarray(True)
+    if mixup_alpha > 0:
+        use_cut = jax.random.uniform(k_switch) < switch_prob
+    return jnp.where(use_cut, cut, mixed), jnp.where(use_cut, lam_box, lam_mix)
+
+
+def vit_loss(outputs, batch, weights, *, label_smoothing: float = 0.0):
+    """Cross-entropy (label smoothing, Mixup/CutMix-mixed labels) and top-1 / top-5 accuracy.
+
+    `outputs`: logits ``[B, K]`` or ``{"logits", "mix_lam"}`` (see `ViT`); ``batch["targets"]``
+    int ``[B]``; `weights` ``[B]`` (0 on eval padding). Returns the loop's
+    ``{name: (weighted sum, weight total)}``; accuracy is against the unmixed labels.
+    """
+    if isinstance(outputs, Mapping):
+        logits, lam = outputs["logits"], outputs["mix_lam"]
+    else:
+        logits, lam = outputs, jnp.ones((), jnp.float32)
+    targets = batch["targets"]
+    k = logits.shape[-1]
+    onehot = jax.nn.one_hot(targets, k, dtype=jnp.float32)
+    if label_smoothing:
+        onehot = onehot * (1.0 - label_smoothing) + label_smoothing / k
+    soft = lam * onehot + (1.0 - lam) * onehot[::-1]
+    ce = -jnp.sum(soft * jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
+    top1 = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    count = jnp.sum(weights)
+    out = {"loss": (jnp.sum(ce * weights), count), "accuracy": (jnp.sum(top1 * weights), count)}
+    if k > 5:
+        top5 = jnp.any(jax.lax.top_k(logits, 5)[1] == targets[:, None], axis=-1)
+        out["top5"] = (jnp.sum(top5.astype(jnp.float32) * weights), count)
+    return out
+
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "ImageTask",
+    "ViT",
+    "attention_config",
+    "build_image_task",
+    "build_vit",
+    "center_crop",
+    "mix_images",
+    "pad_crop_flip",
+    "random_resized_crop",
+    "vit_loss",
+]
