@@ -1,0 +1,290 @@
+"""LRA models built from the Flax Linen attention module: encoder classifier and dual encoder.
+
+The encoder (LRA's ``TransformerEncoder``, pre-LN)::
+
+    x = embed(tokens) [+ CLS]  + pos_emb           [B, T(+1), E]
+    repeat num_layers:  x = x + Dropout(MHA(LN(x), mask))
+                        x = x + MLP(LN(x))         MLP: Dense(mlp) -> gelu -> Dense(E)
+    x = LN(x)
+
+with the attention any registered mechanism (``linattn_jax.linen.MultiHeadAttention``,
+``attention=<registry name>``). Token id 0 is padding: ``tokens != 0`` is the key-padding
+mask of every attention layer (``pad_mask=False`` for images, where 0 is a black pixel).
+Pooling: ``cls`` (a learned CLS vector prepended, always attended; LRA's choice), ``mean``
+(mean over non-pad positions), ``first`` (position 0, no extra token). The classifier head
+is LRA's ``Dense(mlp) -> relu -> Dense(num_classes)``; the dual encoder (Retrieval) runs one
+shared encoder on both documents and classifies ``[u, v, u * v, u - v]``.
+
+Parameters carry logical axis names (``vocab``, ``embed``, ``mlp``, ``heads``, ``kv``,
+``classes``) for FSDP-style sharding by the rules in the config. Collections: ``params``;
+``fixed`` (fixed random features of performer-like mechanisms, not trained). RNG streams:
+``dropout`` and ``attention`` (sampling mechanisms).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from linattn_jax.linen import MultiHeadAttention
+
+POOLINGS = ("cls", "mean", "first")
+POS_EMBS = ("learned", "sinusoidal")
+
+
+def _dense(features, name, axes, **kw):
+    return nn.Dense(
+        features,
+        name=name,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[-1:]),
+        **kw,
+    )
+
+
+def _layer_norm(name=None):
+    return nn.LayerNorm(
+        name=name,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+    )
+
+
+def sinusoidal_positions(length: int, features: int) -> np.ndarray:
+    """Fixed ``[length, features]`` sin/cos position table (Vaswani et al. 2017)."""
+    pos = np.arange(length, dtype=np.float32)[:, None]
+    rate = np.exp(-np.log(10_000.0) * np.arange(0, features, 2, dtype=np.float32) / features)
+    table = np.zeros((length, features), np.float32)
+    table[:, 0::2] = np.sin(pos * rate[None, :])
+    table[:, 1::2] = np.cos(pos * rate[None, : features // 2])
+    return table
+
+
+class MlpBlock(nn.Module):
+    """``Dense(mlp_dim) -> gelu -> dropout -> Dense(E) -> dropout``: ``[B, T, E] -> [B, T, E]``."""
+
+    mlp_dim: int
+    dropout_rate: float = 0.0
+
+    @nn.compact
+    def __call__(self, x, *, deterministic: bool):
+        features = x.shape[-1]
+        y = _dense(self.mlp_dim, "wi", ("embed", "mlp"))(x)
+        y = nn.gelu(y)
+        y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+        y = _dense(features, "wo", ("mlp", "embed"))(y)
+        return nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+
+
+class EncoderBlock(nn.Module):
+    """Pre-LN block: ``x + Drop(MHA(LN(x)))`` then ``x + MLP(LN(x))``; ``[B, T, E]``."""
+
+    num_heads: int
+    qkv_dim: int
+    mlp_dim: int
+    attention: str
+    attention_config: Any = ()
+    dropout_rate: float = 0.0
+
+    @nn.compact
+    def __call__(self, x, mask, *, deterministic: bool):
+        y = _layer_norm("ln_attention")(x)
+        y = MultiHeadAttention(
+            num_heads=self.num_heads,
+            qkv_features=self.qkv_dim,
+            attention=self.attention,
+            attention_config=self.attention_config,
+            name="attention",
+        )(y, mask=mask, causal=False, deterministic=deterministic)
+        x = x + nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+        y = _layer_norm("ln_mlp")(x)
+        return x + MlpBlock(self.mlp_dim, self.dropout_rate, name="mlp")(
+            y, deterministic=deterministic
+        )
+
+
+class Encoder(nn.Module):
+    """Token ids ``[B, T]`` -> pooled ``[B, E]`` (see the module docstring).
+
+    Attributes:
+      vocab_size: number of token ids (0 = pad).
+      max_len: T, the input length (positions are sized from it).
+      num_layers, emb_dim, num_heads, qkv_dim, mlp_dim: sizes.
+      attention, attention_config: the mechanism (registry name, config pairs).
+      dropout_rate: dropout on embeddings, attention and MLP outputs.
+      pooling: one of ``POOLINGS``.
+      pos_emb: one of ``POS_EMBS``.
+      pad_mask: whether token 0 is padding (masked out of attention and mean pooling).
+      tied_layers: share one block across all layers.
+    """
+
+    vocab_size: int
+    max_len: int
+    num_layers: int = 2
+    emb_dim: int = 64
+    num_heads: int = 4
+    qkv_dim: int = 64
+    mlp_dim: int = 128
+    attention: str = "softmax"
+    attention_config: Any = ()
+    dropout_rate: float = 0.0
+    pooling: str = "cls"
+    pos_emb: str = "learned"
+    pad_mask: bool = True
+    tied_layers: bool = False
+
+    @nn.compact
+    def __call__(self, tokens, *, deterministic: bool):
+        """``tokens`` int ``[B, T]`` -> pooled features ``[B, E]``."""
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [B, T] int ids, got shape {tokens.shape}")
+        if tokens.shape[1] > self.max_len:
+            raise ValueError(f"tokens length {tokens.shape[1]} exceeds max_len={self.max_len}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.pos_emb not in POS_EMBS:
+            raise ValueError(f"pos_emb must be one of {POS_EMBS}, got {self.pos_emb!r}")
+        b, t = tokens.shape
+        mask = tokens != 0 if self.pad_mask else jnp.ones((b, t), bool)  # [B, T]
+        x = nn.Embed(
+            self.vocab_size,
+            self.emb_dim,
+            embedding_init=nn.with_logical_partitioning(
+                nn.initializers.normal(stddev=1.0), ("vocab", "embed")
+            ),
+            name="embed",
+        )(tokens)  # [B, T, E]
+        if self.pooling == "cls":
+            cls = self.param(
+                "cls",
+                nn.with_logical_partitioning(nn.initializers.zeros_init(), (None, None, "embed")),
+                (1, 1, self.emb_dim),
+            )
+            x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, self.emb_dim)), x], axis=1)
+            mask = jnp.concatenate([jnp.ones((b, 1), bool), mask], axis=1)  # CLS attends
+        length = x.shape[1]
+        if self.pos_emb == "learned":
+            pos = self.param(
+                "pos_embed",
+                nn.with_logical_partitioning(
+                    nn.initializers.normal(stddev=0.02), ("length", "embed")
+                ),
+                (self.max_len + (self.pooling == "cls"), self.emb_dim),
+            )
+        else:
+            pos = jnp.asarray(sinusoidal_positions(self.max_len + 1, self.emb_dim))
+        x = x + pos[None, :length]
+        x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+
+        def block(name):
+            return EncoderBlock(
+                num_heads=self.num_heads,
+                qkv_dim=self.qkv_dim,
+                mlp_dim=self.mlp_dim,
+                attention=self.attention,
+                attention_config=self.attention_config,
+                dropout_rate=self.dropout_rate,
+                name=name,
+            )
+
+        shared = block("block") if self.tied_layers else None
+        for i in range(self.num_layers):
+            x = (shared or block(f"block_{i}"))(x, mask, deterministic=deterministic)
+        x = _layer_norm("ln_final")(x)  # [B, T', E]
+        if self.pooling == "mean":
+            w = mask.astype(x.dtype)[..., None]  # [B, T, 1]
+            return jnp.sum(x * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1.0)
+        return x[:, 0]  # cls / first
+
+
+class ClassifierHead(nn.Module):
+    """``Dense(mlp_dim) -> relu -> Dense(num_classes)``: ``[B, F] -> [B, C]`` (LRA's head)."""
+
+    num_classes: int
+    mlp_dim: int
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(_dense(self.mlp_dim, "hidden", ("embed", "mlp"))(x))
+        return _dense(self.num_classes, "logits", ("mlp", "classes"))(x)
+
+
+class EncoderClassifier(nn.Module):
+    """Encoder + head: tokens ``[B, T]`` -> logits ``[B, num_classes]``."""
+
+    encoder: Encoder
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, tokens, *, deterministic: bool = True):
+        pooled = self.encoder(tokens, deterministic=deterministic)
+        return ClassifierHead(self.num_classes, self.encoder.mlp_dim, name="head")(pooled)
+
+
+class DualEncoderClassifier(nn.Module):
+    """Shared encoder on both documents; head on ``[u, v, u*v, u-v]``: -> ``[B, num_classes]``."""
+
+    encoder: Encoder
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, tokens1, tokens2, *, deterministic: bool = True):
+        if tokens1.shape != tokens2.shape:
+            raise ValueError(f"pair inputs must share a shape: {tokens1.shape} vs {tokens2.shape}")
+        # One call on the stacked pair: the same encoder (shared params), one trace.
+        both = self.encoder(
+            jnp.concatenate([tokens1, tokens2], axis=0), deterministic=deterministic
+        )
+        u, v = jnp.split(both, 2, axis=0)  # [B, E] each
+        feats = jnp.concatenate([u, v, u * v, u - v], axis=-1)  # [B, 4E]
+        return ClassifierHead(self.num_classes, self.encoder.mlp_dim, name="head")(feats)
+
+
+def attention_config_pairs(config) -> tuple:
+    """The mechanism config as hashable sorted ``(key, value)`` pairs (tuples for lists)."""
+    raw = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in raw.items()))
+
+
+def build_encoder(config, *, vocab_size: int, max_len: int) -> Encoder:
+    """The ``Encoder`` described by ``config.model`` / ``config.attention``."""
+    m = config.model
+    return Encoder(
+        vocab_size=vocab_size,
+        max_len=max_len,
+        num_layers=m.num_layers,
+        emb_dim=m.emb_dim,
+        num_heads=m.num_heads,
+        qkv_dim=m.qkv_dim,
+        mlp_dim=m.mlp_dim,
+        attention=config.attention,
+        attention_config=attention_config_pairs(config.attention_config),
+        dropout_rate=m.dropout_rate,
+        pooling=m.pooling,
+        pos_emb=m.pos_emb,
+        pad_mask=m.pad_mask,
+        tied_layers=m.tied_layers,
+    )
+
+
+def build_classifier(config, *, vocab_size: int, num_classes: int, seq_len: int, is_pair: bool):
+    """``EncoderClassifier`` (or ``DualEncoderClassifier`` when ``is_pair``) from a config."""
+    encoder = build_encoder(config, vocab_size=vocab_size, max_len=seq_len)
+    cls = DualEncoderClassifier if is_pair else EncoderClassifier
+    return cls(encoder=encoder, num_classes=num_classes)
+
+
+__all__ = [
+    "ClassifierHead",
+    "DualEncoderClassifier",
+    "Encoder",
+    "EncoderBlock",
+    "EncoderClassifier",
+    "MlpBlock",
+    "build_classifier",
+    "build_encoder",
+    "sinusoidal_positions",
+]
