@@ -295,6 +295,14 @@ class TestNewtonSchulz:
         _assert_close(g16, jax.grad(loss_inv)(a.astype(jnp.bfloat16).astype(jnp.float32)),
                       jnp.bfloat16, "dA bf16")  # fmt: skip
 
+    @pytest.mark.parametrize("impl,interpret", NS_IMPLS)
+    def test_jit_and_vmap(self, impl, interpret):
+        a = _kernel_matrix("gauss", _tokens("random", 2, 1, 20, seed=8))
+        f = jax.jit(lambda a: kernels.newton_schulz_inverse(a, impl=impl, interpret=interpret))
+        stacked = jnp.stack([a, a[::-1]])  # extra leading axis
+        out = jax.vmap(f)(stacked)
+        _assert_close(out[1], kernels.newton_schulz_inverse_reference(a[::-1]), jnp.float32)
+
     def test_reference_grad_converges_to_inverse_grad(self):
         """The plain reference differentiates the 20 steps; once converged, same gradient."""
         a = _kernel_matrix("laplace", _tokens("random", 1, 2, 16, seed=3))
