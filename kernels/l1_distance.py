@@ -18,8 +18,11 @@ Implementations (``impl``):
   The backward (sign form, below) is two more Pallas kernels, one for dx and one for dy, tiled
   over ``(B*H, rows, D chunks)`` and looping over the other side's rows. N, M, D are zero-padded
   to the block sizes and the padding is sliced off (zero D-padding adds |0 - 0| = 0).
+  The kernels are lowered with Triton (``compiler_params``; a plain ``pallas_call`` would go to
+  Mosaic GPU in jax >= 0.8). The tests check that they lower to Triton for CUDA; they have not
+  yet been compiled and run on a GPU.
 * ``"xla"``: the same math in jnp, chunked over D with ``lax.scan`` so that no ``[N, M, D]``
-  array is materialised (peak memory ``N * M * block_d``).
+  array is materialised (peak memory ``B * H * N * M * 8`` floats).
 * ``"auto"``: ``"pallas"`` on GPU, ``"xla"`` elsewhere.
 
 Gradients (``jax.custom_vjp``, identical for both implementations), with s_ijd =
