@@ -75,6 +75,7 @@ def linear_attention(
     causal: bool = False,
     chunk_size: int = 64,
     log_decay=None,
+    key_log_scale=None,
     eps: float = DENOMINATOR_EPS,
 ):
     """Normalised linear attention from feature maps.
@@ -88,6 +89,11 @@ def linear_attention(
       chunk_size: chunk length C of the causal form (any T; the tail is padded).
       log_decay: optional ``[B, T, H]`` log of a per-token decay g_t in (0, 1]
         (causal only): ``S_t = g_t S_{t-1} + phi(k_t) v_t^T``, likewise z.
+      key_log_scale: optional ``[B, Tk, H]`` log of a per-key scale n_j: the key
+        features are ``exp(n_j) phi_k[j]`` (e.g. Flexformer's norm factor). The
+        scale is applied stably: a detached max of n is subtracted, over all
+        unmasked keys when non-causal and as a running max over keys j <= i when
+        causal, so no query's normaliser ever depends on future keys.
       eps: denominator guard, see `guard_denominator`.
 
     Returns:
@@ -95,18 +101,36 @@ def linear_attention(
     """
     phi_q, phi_k, v = phi_q.astype(_f32), phi_k.astype(_f32), v.astype(_f32)
     phi_k = _apply_key_mask(phi_k, mask)
+    ns = _masked_log_scale(key_log_scale, mask, phi_k.shape[:3])
+    if log_decay is not None and key_log_scale is not None:
+        raise ValueError("linear_attention: pass log_decay or key_log_scale, not both")
     if not causal:
         if log_decay is not None:
             raise ValueError("linear_attention: log_decay needs causal=True")
+        phi_k = (
+            phi_k * jnp.exp(ns - lax.stop_gradient(jnp.max(ns, axis=1, keepdims=True)))[..., None]
+        )
         kv = jnp.einsum("bthm,bthd->bhmd", phi_k, v)  # [B, H, M, Dv]
         z = jnp.sum(phi_k, axis=1)  # [B, H, M]
         num = jnp.einsum("bthm,bhmd->bthd", phi_q, kv)
         den = jnp.einsum("bthm,bhm->bth", phi_q, z)
         return num / guard_denominator(den, eps)[..., None]
-    return _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, eps)
+    return _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps)
 
 
-def _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, eps):
+#: Log-scale of masked (and padded) keys: finite, so differences never give NaN.
+_NEG = -1e30
+
+
+def _masked_log_scale(key_log_scale, mask, shape):
+    """``[B, Tk, H]`` float32 log-scales, `_NEG` at masked keys (0 when not given)."""
+    ns = jnp.zeros(shape, _f32) if key_log_scale is None else key_log_scale.astype(_f32)
+    if mask is not None:
+        ns = jnp.where(mask[:, :, None], ns, _NEG)
+    return ns
+
+
+def _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps):
     b, t, h, m = phi_q.shape
     dv = v.shape[-1]
     c = min(chunk_size, t)
@@ -120,6 +144,7 @@ def _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, eps):
         widths = ((0, 0), (0, pad), (0, 0), (0, 0))
         phi_q, phi_k, v = (jnp.pad(x, widths) for x in (phi_q, phi_k, v))
         log_decay = jnp.pad(log_decay, widths[:3])
+        ns = jnp.pad(ns, widths[:3], constant_values=_NEG)
 
     def chunks(x):  # [B, n*c, ...] -> [n, B, c, ...]
         return jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)
@@ -129,51 +154,78 @@ def _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, eps):
     tril = jnp.tril(jnp.ones((c, c), bool))
 
     def step(carry, xs):
-        s, z = carry  # [B, H, M, Dv], [B, H, M]: state before this chunk
-        pq, pk, vc, gc = xs
-        # Intra-chunk weights exp(G_i - G_j) for j <= i (all <= 1).
-        diff = gc.transpose(0, 2, 1)[:, :, :, None] - gc.transpose(0, 2, 1)[:, :, None, :]
-        decay = jnp.where(tril, jnp.exp(jnp.where(tril, diff, 0.0)), 0.0)  # [B, H, c, c]
-        scores = jnp.einsum("bihm,bjhm->bhij", pq, pk) * decay
+        # State before this chunk, kept relative to the running key max mp:
+        # s = sum_j exp(n_j - mp) phi(k_j) v_j^T  [B, H, M, Dv], z likewise [B, H, M].
+        s, z, mp = carry
+        pq, pk, vc, gc, nc = xs
+        # Running max of the key log-scales up to each position (detached; it cancels).
+        cm = lax.stop_gradient(jnp.maximum(mp[:, None, :], lax.cummax(nc, axis=1)))  # [B, c, H]
+        # Intra-chunk weights exp(G_i - G_j + n_j - cm_i) for j <= i (all <= 1).
+        gt, nt, ct = (x.transpose(0, 2, 1) for x in (gc, nc, cm))  # [B, H, c]
+        logw = gt[:, :, :, None] - gt[:, :, None, :] + nt[:, :, None, :] - ct[:, :, :, None]
+        weight = jnp.where(tril, jnp.exp(jnp.where(tril, logw, 0.0)), 0.0)  # [B, H, c, c]
+        scores = jnp.einsum("bihm,bjhm->bhij", pq, pk) * weight
         num = jnp.einsum("bhij,bjhd->bihd", scores, vc)
         den = jnp.sum(scores, axis=-1).transpose(0, 2, 1)  # [B, c, H]
-        # Inter-chunk: the carried state decayed to position i by exp(G_i).
-        pq_dec = pq * jnp.exp(gc)[..., None]
+        # Inter-chunk: the carried state decayed to position i by exp(G_i), rescaled to cm_i.
+        pq_dec = pq * jnp.exp(gc + mp[:, None, :] - cm)[..., None]
         num = num + jnp.einsum("bihm,bhmd->bihd", pq_dec, s)
         den = den + jnp.einsum("bihm,bhm->bih", pq_dec, z)
         out = num / guard_denominator(den, eps)[..., None]
-        # State after the chunk: old state decayed by exp(G_last), new keys by exp(G_last - G_j).
-        g_last = gc[:, -1]  # [B, H]
-        w = jnp.exp(g_last[:, None, :] - gc)[..., None]  # [B, c, H, 1]
-        s = s * jnp.exp(g_last)[..., None, None] + jnp.einsum("bjhm,bjhd->bhmd", pk * w, vc)
-        z = z * jnp.exp(g_last)[..., None] + jnp.sum(pk * w, axis=1)
-        return (s, z), out
+        # State after the chunk: old state decayed by exp(G_last), new keys by
+        # exp(G_last - G_j), all relative to the new running max.
+        g_last, m_new = gc[:, -1], cm[:, -1]  # [B, H]
+        w = jnp.exp(g_last[:, None, :] - gc + nc - m_new[:, None, :])[..., None]  # [B, c, H, 1]
+        old = jnp.exp(g_last + mp - m_new)
+        s = s * old[..., None, None] + jnp.einsum("bjhm,bjhd->bhmd", pk * w, vc)
+        z = z * old[..., None] + jnp.sum(pk * w, axis=1)
+        return (s, z, m_new), out
 
-    init = (jnp.zeros((b, h, m, dv), _f32), jnp.zeros((b, h, m), _f32))
-    _, out = lax.scan(step, init, (chunks(phi_q), chunks(phi_k), chunks(v), g))
+    init = (
+        jnp.zeros((b, h, m, dv), _f32),
+        jnp.zeros((b, h, m), _f32),
+        jnp.full((b, h), _NEG, _f32),
+    )
+    xs = (chunks(phi_q), chunks(phi_k), chunks(v), g, chunks(ns))
+    _, out = lax.scan(step, init, xs)
     out = jnp.moveaxis(out, 0, 1).reshape(b, n * c, h, dv)
     return out[:, :t]
 
 
 def quadratic_reference(
-    phi_q, phi_k, v, *, mask=None, causal: bool = False, log_decay=None, eps=DENOMINATOR_EPS
+    phi_q,
+    phi_k,
+    v,
+    *,
+    mask=None,
+    causal: bool = False,
+    log_decay=None,
+    key_log_scale=None,
+    eps=DENOMINATOR_EPS,
 ):
     """The naive quadratic form of `linear_attention`: materialises ``[B, H, Tq, Tk]``.
 
-    ``A = phi(Q) phi(K)^T`` (times ``tril`` and ``exp(G_i - G_j)`` when causal),
-    ``out = A V / guard(rowsum A)``. Same arguments and result as `linear_attention`.
+    ``A_ij = phi(q_i) . phi(k_j) exp(n_j - c_i)`` with c_i the (detached) max of the
+    key log-scales visible to query i; when causal also times ``tril`` and
+    ``exp(G_i - G_j)``; ``out = A V / guard(rowsum A)``. Same arguments and result
+    as `linear_attention`.
     """
     phi_q, phi_k, v = phi_q.astype(_f32), phi_k.astype(_f32), v.astype(_f32)
     phi_k = _apply_key_mask(phi_k, mask)
+    ns = _masked_log_scale(key_log_scale, mask, phi_k.shape[:3]).transpose(0, 2, 1)  # [B, H, T]
     a = jnp.einsum("bihm,bjhm->bhij", phi_q, phi_k)
     if causal:
         t = a.shape[-1]
         tril = jnp.tril(jnp.ones((t, t), bool))
+        c = lax.stop_gradient(lax.cummax(ns, axis=2))  # running max over j <= i
+        logw = ns[..., None, :] - c[..., :, None]
         if log_decay is not None:
             g = jnp.cumsum(log_decay.astype(_f32), axis=1).transpose(0, 2, 1)  # [B, H, T]
-            diff = g[..., :, None] - g[..., None, :]
-            a = a * jnp.exp(jnp.where(tril, diff, 0.0))
-        a = jnp.where(tril, a, 0.0)
+            logw = logw + g[..., :, None] - g[..., None, :]
+        a = jnp.where(tril, a * jnp.exp(jnp.where(tril, logw, 0.0)), 0.0)
+    else:
+        c = lax.stop_gradient(jnp.max(ns, axis=-1, keepdims=True))
+        a = a * jnp.exp(ns - c)[..., None, :]
     num = jnp.einsum("bhij,bjhd->bihd", a, v)
     den = jnp.sum(a, axis=-1).transpose(0, 2, 1)
     return num / guard_denominator(den, eps)[..., None]
@@ -189,6 +241,7 @@ def attend(
     causal=False,
     chunk_size=64,
     log_decay=None,
+    key_log_scale=None,
     quadratic=False,
 ):
     """`linear_attention` (or, with ``quadratic=True``, `quadratic_reference`) cast to `dtype`.
@@ -196,12 +249,11 @@ def attend(
     The one call every feature-map mechanism ends with, so its fast path and its
     reference differ only in this flag.
     """
+    kw = dict(mask=mask, causal=causal, log_decay=log_decay, key_log_scale=key_log_scale)
     if quadratic:
-        out = quadratic_reference(phi_q, phi_k, v, mask=mask, causal=causal, log_decay=log_decay)
+        out = quadratic_reference(phi_q, phi_k, v, **kw)
     else:
-        out = linear_attention(
-            phi_q, phi_k, v, mask=mask, causal=causal, chunk_size=chunk_size, log_decay=log_decay
-        )
+        out = linear_attention(phi_q, phi_k, v, chunk_size=chunk_size, **kw)
     return out.astype(dtype)
 
 

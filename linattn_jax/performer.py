@@ -2,9 +2,11 @@
 
 ``phi(x) = M^(-1/2) (exp(W x^ - |x^|^2 / 2 - c) + eps)`` with ``x^ = x d^(-1/4)``
 and W ``[M, d]`` stacked orthogonal blocks, so ``E[phi(q) . phi(k)] = exp(q.k /
-sqrt(d))`` (up to the cancelling stabiliser c and the small eps). c is a
-detached maximum: per token for queries, over all unmasked keys (and features)
-for keys; it cancels in the attention ratio.
+sqrt(d))`` (up to the cancelling stabilisers and the small eps). The stabilisers
+are detached maxima: per token for queries; for keys per token, then over the
+visible keys by the core (`core.linear_attention`'s ``key_log_scale``: over all
+unmasked keys when non-causal, a running max when causal); they cancel in the
+attention ratio. The eps is relative to each token's largest feature.
 """
 
 from __future__ import annotations
@@ -49,29 +51,30 @@ def init(rng, *, num_heads: int, head_dim: int, num_features: int = 256):
     return {"features": orthogonal_features(rng, num_heads, num_features, head_dim)}
 
 
-def feature_map(x, features, *, is_query: bool, mask=None, stabilize: bool = True):
-    """FAVOR+ features ``[B, T, H, d] -> [B, T, H, M]`` float32.
+def feature_map(x, features, *, stabilize: bool = True):
+    """FAVOR+ features, ``[B, T, H, d] -> ([B, T, H, M], [B, T, H])`` float32.
+
+    Returns ``(phi, n)`` with the estimator's features ``exp(n) * phi``:
+    ``phi = M^(-1/2) (exp(W x^ - |x^|^2 / 2 - n) + eps)`` and ``n`` the detached
+    per-token max of the exponent (0 when ``stabilize=False``, which gives the raw
+    estimator features whose dot products estimate ``exp(q.k / sqrt(d))``). For
+    queries n cancels in the attention ratio; for keys it is passed to the core as
+    ``key_log_scale``, which stabilises it over the visible keys (a running max
+    when causal, so no query depends on future keys).
 
     Args:
       x: queries or keys (unscaled).
       features: ``[H, M, d]`` random features W.
-      is_query: stabilise per token (queries) or over all unmasked keys (keys).
-      mask: ``[B, T]`` key mask, used for the key stabiliser only.
-      stabilize: subtract the detached max c (False gives the raw estimator
-        features, whose dot products estimate ``exp(q.k / sqrt(d))`` directly).
+      stabilize: subtract the per-token max.
     """
     xh = core.scale_inputs(x)
     wx = jnp.einsum("bthd,hmd->bthm", xh, features.astype(jnp.float32))
     logits = wx - 0.5 * jnp.sum(xh * xh, axis=-1, keepdims=True)
-    if not stabilize:
-        c = jnp.zeros((), jnp.float32)
-    elif is_query:
-        c = jnp.max(logits, axis=-1, keepdims=True)
-    else:
-        valid = core.key_mask(mask, x.shape[1], x.shape[0])[:, :, None, None]
-        c = core.masked_max(logits, valid, axis=(1, 3))
+    n = jnp.zeros(logits.shape[:-1], jnp.float32)
+    if stabilize:
+        n = lax.stop_gradient(jnp.max(logits, axis=-1))
     m = features.shape[1]
-    return (jnp.exp(logits - lax.stop_gradient(c)) + FEATURE_EPS) * m**-0.5
+    return (jnp.exp(logits - n[..., None]) + FEATURE_EPS) * m**-0.5, n
 
 
 def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, quadratic):
@@ -87,8 +90,8 @@ def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, quadr
     if not deterministic:  # redraw: a fresh draw of the same size per call
         w = orthogonal_features(rng, h, w.shape[1], d)
     w = lax.stop_gradient(w)
-    phi_q = feature_map(q, w, is_query=True)
-    phi_k = feature_map(k, w, is_query=False, mask=mask)
+    phi_q, _ = feature_map(q, w)
+    phi_k, n_k = feature_map(k, w)
     return core.attend(
         phi_q,
         phi_k,
@@ -97,6 +100,7 @@ def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, quadr
         mask=mask,
         causal=causal,
         chunk_size=chunk_size,
+        key_log_scale=n_k,
         quadratic=quadratic,
     )
 

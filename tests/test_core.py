@@ -118,3 +118,38 @@ def test_bf16_features_accumulate_in_f32():
         *(x.astype(jnp.bfloat16).astype(jnp.float32) for x in (pq, pk, v)), causal=True
     )
     np.testing.assert_allclose(out16, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_log_scale_equals_explicit_scaling(causal):
+    pq, pk, v = _features(8, t=13, signed=True)
+    ns = 3.0 * jax.random.normal(jax.random.key(2), (2, 13, 2))
+    mask = jax.random.bernoulli(jax.random.key(5), 0.7, (2, 13))
+    explicit = core.quadratic_reference(
+        pq, pk * jnp.exp(ns)[..., None], v, mask=mask, causal=causal
+    )
+    for fn in (core.linear_attention, core.quadratic_reference):
+        kw = {"chunk_size": 4} if fn is core.linear_attention else {}
+        out = fn(pq, pk, v, mask=mask, causal=causal, key_log_scale=ns, **kw)
+        np.testing.assert_allclose(out, explicit, rtol=1e-4, atol=1e-5)
+    g = jax.grad(
+        lambda n: core.linear_attention(
+            pq, pk, v, causal=causal, key_log_scale=n, chunk_size=4
+        ).sum()
+    )(ns)
+    g_ref = jax.grad(
+        lambda n: core.quadratic_reference(pq, pk * jnp.exp(n)[..., None], v, causal=causal).sum()
+    )(ns)
+    np.testing.assert_allclose(g, g_ref, rtol=1e-3, atol=1e-4)
+
+
+def test_key_log_scale_is_stable_and_causal():
+    """Huge log-scales stay finite, and a huge future key cannot reach past queries
+    through the stabiliser (the running max only sees keys j <= i)."""
+    pq, pk, v = _features(9, t=12, signed=True)
+    ns = jnp.zeros((2, 12, 2))
+    out = core.linear_attention(pq, pk, v, causal=True, key_log_scale=ns, chunk_size=4)
+    ns_future = ns.at[:, 8:].set(500.0)  # exp(500) overflows float32 if not stabilised
+    out2 = core.linear_attention(pq, pk, v, causal=True, key_log_scale=ns_future, chunk_size=4)
+    assert jnp.all(jnp.isfinite(out2))
+    np.testing.assert_allclose(out2[:, :8], out[:, :8], rtol=1e-5, atol=1e-6)
