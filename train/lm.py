@@ -25,26 +25,26 @@ mechanism, layer by layer and head by head the state after t tokens is::
     S_t = sum_{j<=t} phi(k_j) v_j^T   [M, Dv],    z_t = sum_{j<=t} phi(k_j)   [M]
     out_t = phi(q_t)^T S_t / phi(q_t)^T z_t
 
-updated one token at a time (`RecurrentAttention`, `decode_step`, `generate`). The key
-features of several mechanisms carry a stabiliser that the parallel form takes as a
-maximum over *all* keys (performer's ``exp(W k^ - |k^|^2/2 - c)``, flexformer's
-``exp(s(k) - c)``); a recurrence cannot see future keys, so the state keeps a *running*
-maximum ``c_t`` and rescales ``S, z`` by ``exp(c_{t-1} - c_t)`` when it grows. The common
-factor cancels in the ratio, so the recurrent output equals the parallel one exactly for
-flexformer_s/n, hedgehog, linear_elu and rfa (incl. its gate, a decay of the state). For
-performer the features are ``exp(. - c) + eps`` with a small absolute ``eps``
-(``performer.FEATURE_EPS``) that does not scale with ``c``: the two forms differ only by
-that eps term weighted by ``exp(c_t - c_T)``, a relative difference of order ``eps * t``;
-the eps part is kept exactly (as ``eps * sum_j v_j`` and ``eps * t``). Generation uses the
-deterministic (fixed) features of performer and rfa. Mechanisms without a feature map
-(softmax, ra) decode with a KV cache of ``max_len`` positions: the mechanism itself is run
-for the one new query over the cached keys with a key mask ``j <= t`` (for ra in its
-deterministic mode).
+updated one token at a time (`RecurrentAttention`, `decode_step`, `generate`). Key features
+are written ``phi(k_j) = exp(a_j - c) b_j`` (`KeyTerms`): ``a_j`` the part a stabiliser
+must absorb (performer's per-key log-scale, flexformer's ``s(k) = |k^|^2 / 2`` or
+``|k|^2 / exp(tau)``; 0 for hedgehog, linear_elu, rfa). A recurrence cannot see future
+keys, so the state keeps a *running* maximum ``c_t = max_{j<=t} a_j`` and rescales ``S, z``
+by ``exp(c_{t-1} - c_t)`` when it grows; the common factor cancels in the ratio, so the
+recurrent output equals the parallel causal one (which stabilises the key scales by the
+same running max in `linattn_jax.core`) to float rounding, for every feature-map mechanism,
+rfa's gate included (a decay of the state). With an older performer whose features carry an
+absolute ``eps`` outside the key scale, the two forms differ by that eps term only (kept
+exactly as ``eps * sum_j v_j`` and ``eps * t``). Generation uses the deterministic (fixed)
+features of performer and rfa. Mechanisms without a feature map (softmax, ra) decode with a
+KV cache of ``max_len`` positions: the mechanism itself runs for the one new query over the
+cached keys with a key mask ``j <= t`` (for ra in its deterministic mode).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 import sysconfig
@@ -106,6 +106,7 @@ class TextData:
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     vocab_size: int = VOCAB_SIZE
+    input_keys = ("inputs",)
 
     def source(self, split: str) -> np.ndarray:
         if split not in self.splits:
@@ -144,9 +145,13 @@ class TextData:
         return {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
 
     def train_batches(
-        self, batch_size: int, *, seed: int = 0, start_step: int = 0, **kwargs
+        self, batch_size: int, *, seed: int = 0, start_step: int = 0, num_threads: int = 0, **kwargs
     ) -> Iterator[dict[str, np.ndarray]]:
-        """Endless ``train_batch(start_step), train_batch(start_step + 1), ...``."""
+        """Endless ``train_batch(start_step), train_batch(start_step + 1), ...``.
+
+        (`num_threads` is accepted for the loop's data API; slicing a byte array needs none.)
+        """
+        del num_threads
         step = start_step
         while True:
             yield self.train_batch(step, batch_size, seed=seed, **kwargs)
@@ -434,7 +439,21 @@ class RecurrentMap:
     key: Callable[..., KeyTerms]
 
 
+_PERFORMER_OLD_API = "is_query" in inspect.signature(performer.feature_map).parameters
+
+
+def _performer_query(q, params, cfg):
+    if _PERFORMER_OLD_API:
+        return performer.feature_map(q, params["features"], is_query=True)
+    return performer.feature_map(q, params["features"])[0]
+
+
 def _performer_key(k, params, cfg):
+    if not _PERFORMER_OLD_API:
+        # (phi, n): features stabilised per token, exp(n) the per-key scale (a running max
+        # over the visible keys in the parallel causal form too, so the forms agree exactly)
+        phi, n = performer.feature_map(k, params["features"])
+        return KeyTerms(n[..., None], phi)
     w = params["features"].astype(_f32)
     kh = core.scale_inputs(k)
     logits = jnp.einsum("bthd,hmd->bthm", kh, w) - 0.5 * jnp.sum(kh * kh, axis=-1, keepdims=True)
@@ -482,7 +501,7 @@ RECURRENT: dict[str, RecurrentMap] = {
         key=lambda k, p, c: KeyTerms(_zeros_like_token(k), hedgehog.feature_map(k, p)),
     ),
     "performer": RecurrentMap(
-        query=lambda q, p, c: performer.feature_map(q, p["features"], is_query=True),
+        query=_performer_query,
         key=_performer_key,
     ),
     "rfa": RecurrentMap(query=lambda q, p, c: rfa.feature_map(q, p), key=_rfa_key),
@@ -769,6 +788,59 @@ def evaluate_perplexity(
     return perplexity(total, count)
 
 
+def lm_loss(logits, batch, weights, config=None):
+    """The loop's loss terms: mean NLL per target byte, next-byte accuracy, bits per byte.
+
+    ``logits [B, T, V]``, ``batch["targets"] [B, T]`` (0 = pad), `weights` ``[B]``.
+    """
+    del config
+    targets = batch["targets"]
+    total, count = token_nll(logits, targets, weights)
+    w = (targets != 0).astype(_f32) * weights.astype(_f32)[:, None]
+    correct = jnp.sum((jnp.argmax(logits, axis=-1) == targets).astype(_f32) * w)
+    return {
+        "loss": (total, count),
+        "accuracy": (correct, count),
+        "bits_per_byte": (total / math.log(2.0), count),
+    }
+
+
+def build_lm(config, vocab_size: int = VOCAB_SIZE) -> CausalLM:
+    """The `CausalLM` of ``config.model`` / ``config.attention`` / ``config.attention_config``."""
+    from .models import attention_config_pairs
+
+    m = config.model
+    return CausalLM(
+        vocab_size=vocab_size,
+        max_len=int(config.data.seq_len),
+        num_layers=int(m.num_layers),
+        emb_dim=int(m.emb_dim),
+        num_heads=int(m.num_heads),
+        qkv_dim=int(m.qkv_dim),
+        mlp_dim=int(m.mlp_dim),
+        attention=config.attention,
+        attention_config=attention_config_pairs(config.attention_config),
+        dropout_rate=float(m.dropout_rate),
+        tie_embeddings=bool(m.tie_embeddings),
+    )
+
+
+def _lm_data(config) -> TextData:
+    return load_text(config.data.to_dict(), int(config.data.seq_len))
+
+
+def register_workload() -> None:
+    """Adds the ``lm`` workload to `train.loop.WORKLOADS` (idempotent; done on import)."""
+    from train import loop
+
+    loop.WORKLOADS.setdefault(
+        "lm", loop.Workload(_lm_data, lambda config, data: build_lm(config), lm_loss)
+    )
+
+
+register_workload()
+
+
 def decode_text(ids) -> str:
     """Token ids -> text (bytes decoded as UTF-8 with replacement)."""
     return decode_bytes(np.asarray(ids)).decode("utf-8", errors="replace")
@@ -799,4 +871,7 @@ __all__ = [
     "recurrent_logits",
     "stdlib_text",
     "token_nll",
+    "build_lm",
+    "lm_loss",
+    "register_workload",
 ]

@@ -620,6 +620,34 @@ def vit_loss(outputs, batch, weights, *, label_smoothing: float = 0.0):
     return out
 
 
+# ============================================================================ workload
+def _vit_data(config) -> ImageTask:
+    cfg = {k: v for k, v in config.data.to_dict().items() if v is not None}
+    cfg["batch_size"] = config.batch_size
+    cfg["seed"] = config.data_shuffle_seed
+    return build_image_task(cfg)
+
+
+def _vit_model(config, data: ImageTask) -> ViT:
+    return build_vit(
+        config, num_classes=data.num_classes, image_size=data.image_size, channels=data.channels
+    )
+
+
+def _vit_loss(outputs, batch, weights, config):
+    return vit_loss(outputs, batch, weights, label_smoothing=float(config.label_smoothing))
+
+
+def register_workload() -> None:
+    """Adds the ``vit`` workload to `train.loop.WORKLOADS` (idempotent; done on import)."""
+    from train import loop
+
+    loop.WORKLOADS.setdefault("vit", loop.Workload(_vit_data, _vit_model, _vit_loss))
+
+
+register_workload()
+
+
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
@@ -631,6 +659,7 @@ __all__ = [
     "center_crop",
     "mix_images",
     "pad_crop_flip",
+    "register_workload",
     "random_resized_crop",
     "vit_loss",
 ]

@@ -20,6 +20,8 @@ CONFIGS = {
     "retrieval": "train.configs.retrieval",
     "image": "train.configs.image",
     "pathfinder": "train.configs.pathfinder",
+    "vit": "train.configs.vit",
+    "lm": "train.configs.lm",
 }
 
 

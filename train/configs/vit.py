@@ -1,0 +1,135 @@
+"""ViT / DeiT image classification (workload ``vit``, `train.vision`): ImageNet-1k or CIFAR-10.
+
+Presets:
+
+* ``deit_tiny``: DeiT-tiny on ImageNet-1k (tfds ``imagenet2012``, 224x224, patch 16, 196
+  tokens + CLS), the DeiT recipe (Touvron et al. 2021): 300 epochs at batch 1024 (1251
+  steps per epoch), AdamW (b1 0.9, b2 0.999, eps 1e-8, weight decay 0.05 on weights with
+  ndim >= 2), peak lr ``5e-4 * 1024 / 512 = 1e-3``, 5 warmup epochs then cosine to 1e-5,
+  label smoothing 0.1, stochastic depth 0.1, Mixup 0.8 / CutMix 1.0 (switch 0.5),
+  random-resized crop + flip; evaluation: resize 256 / centre crop 224. Width 192, 12
+  blocks, 3 heads, MLP 768. Not included: RandAugment, random erasing, repeated
+  augmentation, EMA (DeiT uses them; they add about 1 point). Sharding: data parallel over
+  every device; ``mesh_shape=(-1, N)`` adds FSDP over N devices (``embed`` -> ``fsdp``).
+* ``cifar``: ViT on CIFAR-10 at 32x32 (patch 4: 64 tokens + CLS), width 192, 9 blocks,
+  3 heads, batch 128, 200 epochs, AdamW lr 1e-3, wd 0.05, label smoothing 0.1, pad-crop +
+  flip, Mixup/CutMix off.
+* ``mini``: a CPU-sized CIFAR-10 run: 4000 training images, width 64, 4 blocks, 4 heads,
+  batch 64, 300 steps.
+
+Mechanisms with a ``grid`` config (nystromformer, soft, laplacian, lara) get the patch grid
+automatically (`train.vision.attention_config`); set ``attention_config.num_landmarks`` /
+``num_features`` / ``num_samples`` as for any task.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from train.configs import default
+
+
+def get_config(preset: str = "mini") -> ml_collections.ConfigDict:
+    from train import vision  # noqa: F401  (registers the "vit" workload in train.loop)
+
+    c = default.get_config()
+    c.task = "vit"
+    c.preset = preset
+    c.attention = "softmax"
+    c.data = ml_collections.ConfigDict()
+    c.data.dataset = "cifar10"  # "imagenet2012" (manual download, built with tfds) or "cifar10"
+    c.data.image_size = 32  # side of the (square) training / eval images
+    c.data.augment = ml_collections.FieldReference(None, field_type=str)  # None: per data set
+    c.data.crop_fraction = 0.875  # ImageNet eval: resize to size / fraction, centre-crop
+    c.data.data_dir = ml_collections.FieldReference(None, field_type=str)  # generated caches
+    c.data.tfds_data_dir = ml_collections.FieldReference(None, field_type=str)  # tfds data dir
+    c.data.num_train = ml_collections.FieldReference(None, field_type=int)  # subset sizes
+    c.data.num_val = ml_collections.FieldReference(None, field_type=int)
+    c.data.num_test = ml_collections.FieldReference(None, field_type=int)
+    c.data.num_threads = 4  # grain read threads (decoding + augmentation)
+
+    c.model = ml_collections.ConfigDict()
+    c.model.patch_size = 4  # p: tokens = (size / p)^2 + CLS
+    c.model.emb_dim = 64  # width
+    c.model.num_layers = 4  # blocks
+    c.model.num_heads = 4  # heads
+    c.model.qkv_dim = ml_collections.FieldReference(None, field_type=int)  # None: emb_dim
+    c.model.mlp_dim = 128  # MLP hidden width
+    c.model.dropout_rate = 0.0  # dropout on embeddings and residual branches
+    c.model.drop_path_rate = 0.0  # stochastic depth (max, linear over blocks)
+    c.model.pooling = "cls"  # "cls" or "mean"
+    c.model.mixup_alpha = 0.0  # Mixup Beta(alpha, alpha); 0 = off
+    c.model.cutmix_alpha = 0.0  # CutMix Beta(alpha, alpha); 0 = off
+    c.model.mix_switch_prob = 0.5  # probability of CutMix when both are on
+
+    c.mesh_shape = (-1, 1)
+    c.b2 = 0.999
+    c.eps = 1e-8
+    c.grad_clip_norm = ml_collections.FieldReference(None, field_type=float)
+    c.label_smoothing = 0.1
+    c.weight_decay = 0.05
+    c.schedule = "cosine"
+
+    if preset == "mini":
+        c.data.num_train = 4000
+        c.data.num_val = 500
+        c.data.num_test = 500
+        c.label_smoothing = 0.0
+        c.weight_decay = 0.0
+        c.update(
+            batch_size=64,
+            num_train_steps=300,
+            learning_rate=1e-3,
+            warmup_steps=30,
+            eval_every=100,
+            checkpoint_every=100,
+            log_every=10,
+            eval_batch_size=100,
+        )
+        return c
+    if preset == "cifar":
+        c.model.update(emb_dim=192, num_layers=9, num_heads=3, mlp_dim=384, drop_path_rate=0.1)
+        steps_per_epoch = 45_000 // 128
+        c.update(
+            batch_size=128,
+            num_train_steps=200 * steps_per_epoch,
+            learning_rate=1e-3,
+            warmup_steps=5 * steps_per_epoch,
+            end_lr_fraction=0.01,
+            eval_every=steps_per_epoch,
+            checkpoint_every=5 * steps_per_epoch,
+            log_every=50,
+            eval_batch_size=500,
+        )
+        return c
+    if preset != "deit_tiny":
+        raise ValueError(f"vit presets: 'mini', 'cifar', 'deit_tiny'; got {preset!r}")
+    c.data.dataset = "imagenet2012"
+    c.data.image_size = 224
+    c.model.update(
+        patch_size=16,
+        emb_dim=192,
+        num_layers=12,
+        num_heads=3,
+        mlp_dim=768,
+        drop_path_rate=0.1,
+        mixup_alpha=0.8,
+        cutmix_alpha=1.0,
+    )
+    batch = 1024
+    steps_per_epoch = 1_281_167 // batch
+    c.update(
+        batch_size=batch,
+        num_train_steps=300 * steps_per_epoch,
+        learning_rate=5e-4 * batch / 512,
+        warmup_steps=5 * steps_per_epoch,
+        end_lr_fraction=1e-5 / (5e-4 * batch / 512),
+        eval_every=steps_per_epoch,
+        checkpoint_every=steps_per_epoch,
+        log_every=100,
+        eval_batch_size=1000,
+        num_eval_batches=-1,
+        async_checkpointing=True,
+    )
+    c.data.num_threads = 16
+    return c
