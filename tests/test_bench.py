@@ -1,0 +1,284 @@
+"""train.bench: end-to-end smoke runs on tiny sizes (every mechanism present, figures positive)
+and the bookkeeping (ratios, extrapolation, crossings, growth, merging, isolation) on known
+synthetic points."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import linattn_jax as la
+from train import bench
+
+
+def _run(capsys, argv):
+    result = bench.main(argv)
+    return result, capsys.readouterr().out
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_scaling_smoke_every_mechanism(tmp_path, capsys):
+    out, png = tmp_path / "scaling.json", tmp_path / "scaling.png"
+    result, stdout = _run(
+        capsys,
+        [
+            "scaling",
+            "--seq-lens",
+            "64",
+            "128",
+            "--repeats",
+            "1",
+            "--min-total-s",
+            "0",
+            "--modes",
+            "noncausal",
+            "--passes",
+            "fwd_bwd",
+            "--no-isolate",
+            "--quiet",
+            "--out",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+    )
+    names = la.names() + [bench.SOFTMAX_XLA]
+    assert result["mechanisms"] == names
+    saved = json.loads(out.read_text())
+    assert saved["mechanisms"] == names
+    for name in names:
+        assert f"| {name} |" in stdout, name
+        for t in (64, 128):
+            (p,) = [q for q in saved["points"] if q["mechanism"] == name and q["seq_len"] == t]
+            assert p["status"] == "ok", (name, t, p["note"])
+            assert _positive(p["time_ms"]) and p["n_timed"] >= 1
+            mem = p["memory"]
+            assert _positive(mem["total"])
+            assert mem["total"] == mem["temp"] + mem["argument"] + mem["output"]
+            assert _positive(p["ratio_time"]) and _positive(p["ratio_memory"])
+            assert _positive(p["ratio_time_xla"])
+    soft = [p for p in saved["points"] if p["mechanism"] == "softmax"]
+    assert all(p["ratio_time"] == 1.0 and p["ratio_memory"] == 1.0 for p in soft)
+    assert png.stat().st_size > 10_000
+
+
+def test_scaling_modes_passes_and_report(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    names = ["softmax", "linear_elu", "nystromformer"]
+    _run(
+        capsys,
+        ["scaling", "--seq-lens", "32", "64", "--repeats", "1", "--passes", "fwd", "fwd_bwd"]
+        + ["--no-isolate", "--quiet", "--out", str(out), "--mechanisms", *names],
+    )
+    result = json.loads(out.read_text())
+    got = {(p["mechanism"], p["mode"], p["pass"]) for p in result["points"]}
+    for name in names:
+        modes = ("noncausal", "causal") if la.get(name).supports_causal else ("noncausal",)
+        assert {(name, m, s) for m in modes for s in bench.PASSES} == {
+            g for g in got if g[0] == name
+        }
+    text = bench.report(result)
+    # The summary table at the largest T lists every mechanism, with its growth per doubling.
+    assert "fwd+bwd at T=64, noncausal" in text and "fwd+bwd at T=64, causal" in text
+    for name in names:
+        assert f"| {name} | " in text
+    assert "->64:" in text
+
+
+def test_fidelity_smoke_every_mechanism(tmp_path, capsys):
+    out, png = tmp_path / "fid.json", tmp_path / "fid.png"
+    budgets = [4, 8]
+    _, stdout = _run(
+        capsys,
+        ["fidelity", "--budgets", *map(str, budgets), "--seeds", "2", "--seq-len", "32"]
+        + ["--heads", "1", "--head-dim", "8", "--quiet", "--out", str(out), "--plot", str(png)],
+    )
+    result = json.loads(out.read_text())
+    names = [n for n in la.names() if n != "softmax"]
+    assert result["mechanisms"] == names
+    for name in names:
+        assert f"| {name} |" in stdout
+        keys = bench.budget_keys(name)
+        for kind in ("gaussian", "clustered"):
+            rows = [r for r in result["rows"] if r["mechanism"] == name and r["inputs"] == kind]
+            expected = {(k, b) for k in keys for b in budgets} if keys else {(None, None)}
+            assert {(r["budget_key"], r["budget"]) for r in rows} == expected, name
+            for r in rows:
+                assert len(r["errors"]) == 2 and all(_positive(e) for e in r["errors"])
+                assert r["mean"] == pytest.approx(sum(r["errors"]) / 2)
+                assert math.isfinite(r["std"]) and r["std"] >= 0
+    assert png.stat().st_size > 10_000
+
+
+def test_model_smoke_every_mechanism(tmp_path, capsys):
+    out = tmp_path / "model.json"
+    png = tmp_path / "model.png"
+    _, stdout = _run(
+        capsys,
+        ["model", "--seq-len", "32", "--batch", "2", "--dim", "16", "--heads", "2", "--mlp", "16"]
+        + ["--layers", "1", "--repeats", "1", "--min-total-s", "0", "--no-isolate", "--quiet"]
+        + ["--out", str(out), "--plot", str(png)],
+    )
+    result = json.loads(out.read_text())
+    assert [p["mechanism"] for p in result["points"]] == la.names()
+    for p in result["points"]:
+        assert f"| {p['mechanism']} |" in stdout
+        assert p["status"] == "ok", p
+        assert _positive(p["time_ms"]) and _positive(p["memory"]["total"])
+        assert _positive(p["ratio_time"]) and _positive(p["ratio_memory"])
+        assert p["num_params"] > 0
+    assert png.stat().st_size > 5_000
+
+
+def test_isolated_run_and_timeout(tmp_path, capsys):
+    argv = ["scaling", "--seq-lens", "32", "--modes", "noncausal", "--passes", "fwd"]
+    argv += ["--repeats", "1", "--quiet", "--mechanisms", "linear_elu"]
+    result, _ = _run(capsys, argv + ["--out", str(tmp_path / "a.json")])
+    (p,) = result["points"]
+    assert p["status"] == "ok" and _positive(p["time_ms"])
+    # A subprocess that cannot finish in time is killed and reported, not waited for.
+    result, stdout = _run(capsys, argv + ["--mechanism-timeout-s", "0.01"])
+    (p,) = result["points"]
+    assert p["status"] == "error" and "timed out" in p["note"]
+    assert "timed out" in stdout
+
+
+def test_strip_parent_flags():
+    argv = ["scaling", "--mechanisms", "a", "b", "--seq-lens", "1", "2", "--quiet"]
+    argv += ["--isolate", "--out=x.json", "--repeats", "3", "--plot", "p.png"]
+    assert bench._strip(argv, bench._PARENT_ONLY) == [
+        "scaling",
+        "--seq-lens",
+        "1",
+        "2",
+        "--repeats",
+        "3",
+    ]
+
+
+def _pt(name, t, ms, mem, mode="noncausal", pass_="fwd_bwd", status="ok"):
+    p = {
+        "mechanism": name,
+        "seq_len": t,
+        "mode": mode,
+        "pass": pass_,
+        "status": status,
+        "memory": {"total": mem},
+    }
+    if ms is not None:
+        p["time_ms"] = ms
+    return p
+
+
+def test_ratios_extrapolate_skipped_softmax_quadratically():
+    points = [
+        _pt("softmax", 1024, 10.0, 100),
+        _pt("softmax", 2048, 40.0, 400),
+        _pt("softmax", 4096, None, 1600, status="skipped"),
+        _pt("softmax_xla", 1024, 5.0, 100),
+        _pt("softmax_xla", 2048, 20.0, 400),
+        _pt("softmax_xla", 4096, 80.0, 1600),
+        _pt("lin", 1024, 20.0, 50),
+        _pt("lin", 2048, 40.0, 100),
+        _pt("lin", 4096, 80.0, 200),
+    ]
+    bench.add_ratios(points)
+    lin = {p["seq_len"]: p for p in points if p["mechanism"] == "lin"}
+    assert lin[1024]["ratio_time"] == 2.0 and not lin[1024]["ratio_time_extrapolated"]
+    assert lin[2048]["ratio_time"] == 1.0
+    # softmax at 4096 extrapolated from 2048 as T^2: 160 ms.
+    assert lin[4096]["ratio_time"] == 0.5 and lin[4096]["ratio_time_extrapolated"]
+    assert lin[4096]["ratio_time_xla"] == 1.0 and not lin[4096]["ratio_time_xla_extrapolated"]
+    assert lin[4096]["ratio_memory"] == 200 / 1600  # compiled memory: never extrapolated
+    # lin/softmax: 2, 1, 0.5 -> crosses 1 exactly at T = 2048 (log-interpolated).
+    assert bench.crossing(points, "lin", "noncausal") == "~2048 (vs extrapolated softmax)"
+    growth = bench.growth_per_doubling(points, "lin", "noncausal")
+    assert growth == [(2048, 2.0), (4096, 2.0)]
+    assert bench.growth_per_doubling(points, "softmax", "noncausal") == [(2048, 4.0)]
+
+
+def test_crossing_cases():
+    points = [_pt("softmax", t, 1.0, 1) for t in (64, 128, 256)]
+    points += [_pt("fast", t, 0.5, 1) for t in (64, 128, 256)]
+    points += [_pt("slow", t, 3.0, 1) for t in (64, 128, 256)]
+    points += [_pt("mid", 64, 4.0, 1), _pt("mid", 128, 1.0 / 4.0, 1)]
+    bench.add_ratios(points)
+    assert bench.crossing(points, "fast", "noncausal").startswith("< 64")
+    assert bench.crossing(points, "slow", "noncausal").startswith("> 256")
+    assert bench.crossing(points, "mid", "noncausal") == "~91"  # geometric midpoint of 64, 128
+
+
+def test_predicted_time_and_merge():
+    assert bench._predict_s([], 2048, True) is None
+    assert bench._predict_s([(1024, 1.0)], 4096, True) == 16.0
+    assert bench._predict_s([(1024, 1.0)], 4096, False) == 4.0
+    assert bench._predict_s([(1024, 1.0), (2048, 1.5)], 4096, False) == 3.0  # slope >= 1
+    a = {
+        "kind": "scaling",
+        "environment": {},
+        "config": {"modes": ["noncausal"], "passes": ["fwd_bwd"], "seq_lens": [64]},
+        "mechanisms": ["linear_elu", "softmax"],
+        "points": [_pt("softmax", 64, 2.0, 10), _pt("linear_elu", 64, 1.0, 5)],
+    }
+    b = {
+        "kind": "scaling",
+        "environment": {},
+        "config": {"modes": ["noncausal"], "passes": ["fwd"], "seq_lens": [64]},
+        "mechanisms": ["softmax"],
+        "points": [_pt("softmax", 64, 1.0, 10, pass_="fwd")],
+    }
+    m = bench.merge_scaling([a, b])
+    assert m["mechanisms"] == ["softmax", "linear_elu"]  # registry order
+    assert m["config"]["passes"] == ["fwd_bwd", "fwd"]
+    (lin,) = [p for p in m["points"] if p["mechanism"] == "linear_elu"]
+    assert lin["ratio_time"] == 0.5 and lin["ratio_memory"] == 0.5
+
+
+def test_relative_error_and_inputs():
+    x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    assert bench.relative_error(x, x) == 0.0
+    assert bench.relative_error(2 * x, x) == pytest.approx(1.0)
+    kw = dict(batch=2, seq_len=16, heads=3, head_dim=8)
+    for kind in ("gaussian", "clustered"):
+        q, k, v = bench.make_inputs(kind, jax.random.key(1), **kw)
+        assert q.shape == k.shape == v.shape == (2, 16, 3, 8)
+    # Clustered tokens: each query's softmax mass lies on the keys of its own cluster.
+    q, k, _, cq, ck = bench.make_inputs(
+        "clustered",
+        jax.random.key(2),
+        clusters=2,
+        center_scale=2.0,
+        noise=0.1,
+        return_clusters=True,
+        **kw,
+    )
+    w = la.softmax.attention_weights(q, k)  # [B, H, Tq, Tk]
+    same = cq.transpose(0, 2, 1)[..., :, None] == ck.transpose(0, 2, 1)[..., None, :]
+    has_own = jnp.any(same, axis=-1)  # queries whose cluster has at least one key
+    own_mass = jnp.sum(jnp.where(same, w, 0.0), axis=-1)
+    assert bool(jnp.all(jnp.where(has_own, own_mass, 1.0) > 0.99))
+    with pytest.raises(ValueError, match="inputs kind"):
+        bench.make_inputs("uniform", jax.random.key(0), **kw)
+
+
+def test_unknown_mechanism_raises():
+    with pytest.raises(KeyError, match="nope"):
+        bench.bench_names(["softmax", "nope"])
+
+
+def test_fidelity_configs_cap_quadratic_budgets():
+    assert bench.fidelity_configs("softmax", [4, 8]) == [(None, None)]
+    assert bench.fidelity_configs("performer", [4, 8]) == [
+        ("num_features", 4),
+        ("num_features", 8),
+    ]
+    quadratic = [n for n in la.names() if bench.is_quadratic(n) and bench.budget_keys(n)]
+    for name in quadratic:
+        assert all(b <= 8 for _, b in bench.fidelity_configs(name, [4, 8, 16], 8))
