@@ -502,7 +502,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, data=None) -> dict
     best_metric = ckpt.best_metric
     better = (lambda a, b: a > b) if ckpt.best_mode == "max" else (lambda a, b: a < b)
 
-    restored = ckpt.restore_latest(trainer.abstract_sharded_state())
+    restored = ckpt.restore_latest(trainer.abstract_sharded_state().as_dict())
     if restored is None:
         state = trainer.init_state()
         meta = {"best": None, "best_step": None}
@@ -560,6 +560,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, data=None) -> dict
         seed=int(config.data_shuffle_seed),
         start_step=start,
         num_threads=int(config.data.get("num_threads", 0)),
+        prefetch=max(2, int(config.data.get("num_threads", 0))),
         process_index=jax.process_index(),
         process_count=jax.process_count(),
     )

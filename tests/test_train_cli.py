@@ -1,0 +1,179 @@
+"""End to end: ``python -m train`` on every task, kill -9 and resume, the results command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from train.__main__ import main
+from train.metrics import read_jsonl
+
+TINY = [
+    "--no_progress",
+    "--set=model.num_layers=1",
+    "--set=model.emb_dim=16",
+    "--set=model.qkv_dim=16",
+    "--set=model.num_heads=2",
+    "--set=model.mlp_dim=32",
+    "--set=batch_size=8",
+    "--set=eval_batch_size=8",
+    "--set=log_every=1",
+    "--set=num_eval_batches=2",
+    "--set=data.num_train=48",
+    "--set=data.num_val=16",
+    "--set=data.num_test=16",
+    "--set=compile_memory_analysis=False",
+]
+
+
+def _check_run_outputs(workdir: Path, steps: int, num_val: int = 16):
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["steps"] == steps
+    records = read_jsonl(workdir / "metrics.jsonl")
+    train = [r for r in records if r["split"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    assert all(np.isfinite(r["loss"]) and 0 <= r["accuracy"] <= 1 for r in train)
+    evals = [r for r in records if r["split"] == "val"]
+    assert evals and evals[-1]["step"] == steps and evals[-1]["count"] == num_val
+    assert (workdir / "checkpoints" / str(steps)).is_dir()
+    assert list((workdir / "best").iterdir())
+    assert list((workdir / "tb").glob("events.out.tfevents.*"))
+    png = (workdir / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    return summary
+
+
+def _aan_fixture(folder: Path, n: int = 48):
+    rng = np.random.default_rng(0)
+    words = ["attention", "linear", "kernel", "graph", "parser", "speech", "vision", "tree"]
+    folder.mkdir(parents=True)
+    for split in ("train", "eval", "test"):
+        lines = []
+        for i in range(n):
+            a = " ".join(rng.choice(words, 6))
+            b = " ".join(rng.choice(words, 6))
+            lines.append(f"{float(i % 2)}\tp{i}\tq{i}\t{a}\t{b}\n")
+        (folder / f"new_aan_pairs.{split}.tsv").write_text("".join(lines))
+
+
+@pytest.mark.parametrize("task", ["listops", "pathfinder", "retrieval", "text", "image"])
+def test_cli_every_task(task, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data_dir = tmp_path / "data"
+    args = [f"--task={task}", "--attention=linear_elu", "--steps=3", f"--data_dir={data_dir}"]
+    args += TINY + ["--set=eval_every=2", "--set=checkpoint_every=2"]
+    if task in ("listops", "text", "retrieval"):
+        args.append("--set=data.seq_len=32")
+    if task == "retrieval":
+        _aan_fixture(data_dir / "aan")
+    if task in ("text", "image"):
+        tfds = pytest.importorskip("tensorflow_datasets")
+        with tfds.testing.mock_data(num_examples=40):
+            summary = main(args)
+    else:
+        summary = main(args)
+    workdir = tmp_path / "workdir" / f"{task}_mini_linear_elu"  # the default workdir
+    out = _check_run_outputs(workdir, 3, num_val=4 if task == "image" else 16)  # image: 10% of 40
+    assert out["task"] == summary["task"] == task
+    assert 0.0 <= summary["test"]["accuracy"] <= 1.0 and 0.0 < summary["test"]["majority"] <= 1.0
+
+
+def _params_of(workdir: Path, step: int):
+    with ocp.CheckpointManager(workdir / "checkpoints") as mngr:
+        restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    return restored["state"]["params"]
+
+
+def test_kill_and_resume_matches_uninterrupted(tmp_path):
+    steps = 60
+    data_dir = tmp_path / "data"
+    args = ["--attention=performer", f"--steps={steps}", f"--data_dir={data_dir}", *TINY]
+    args += [
+        "--set=data.seq_len=32",
+        "--set=attention_config.num_features=8",  # stochastic: redraws from the step rng
+        "--set=model.dropout_rate=0.1",  # dropout rng
+        "--set=eval_every=30",
+        "--set=checkpoint_every=5",
+        "--set=max_to_keep=20",
+        "--set=eval_test=False",
+    ]
+    # Uninterrupted reference (in process; same devices as the subprocess: conftest's 8).
+    main([*args, f"--workdir={tmp_path / 'ref'}"])
+    # The same run in a subprocess, SIGKILLed right after its first checkpoint lands.
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train", *args, f"--workdir={run_dir}"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            ckpts = run_dir / "checkpoints"
+            if ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir()):
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, (
+            f"run ended before the kill: {proc.stderr.read().decode()[-2000:]}"
+        )
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (run_dir / "summary.json").exists()  # it really died mid-run
+    # Restart: resumes from the newest complete checkpoint and finishes.
+    summary = main([*args, f"--workdir={run_dir}"])
+    assert 0 < summary["resumed_from"] < steps
+    ref = json.loads((tmp_path / "ref" / "summary.json").read_text())
+    # Same step counter, data position and rng stream: the resumed trajectory (per-step
+    # train loss after the restart) and the final params are bitwise the uninterrupted ones.
+    resumed = {
+        r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["split"] == "train"
+    }
+    reference = {
+        r["step"]: r["loss"]
+        for r in read_jsonl(tmp_path / "ref" / "metrics.jsonl")
+        if r["split"] == "train"
+    }
+    tail = range(summary["resumed_from"] + 1, steps + 1)
+    assert [resumed[s] for s in tail] == [reference[s] for s in tail]
+    assert summary["train"]["loss"] == ref["train"]["loss"]
+    assert summary["val"]["accuracy"] == ref["val"]["accuracy"]
+    got, want = _params_of(run_dir, steps), _params_of(tmp_path / "ref", steps)
+    import jax
+
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_results_command_smoke(tmp_path):
+    from train import results
+
+    rows = results.main(
+        [
+            "--tasks=listops",
+            "--attentions=softmax,linear_elu",
+            "--steps=2",
+            f"--workdir={tmp_path}",
+            "--no_progress",
+            f"--set=data.data_dir={tmp_path / 'data'}",
+            "--set=data.seq_len=32",
+            *[a for a in TINY if a.startswith("--set=")],
+            "--set=eval_every=2",
+        ]
+    )
+    assert [r["attention"] for r in rows] == ["softmax", "linear_elu"]
+    assert all("summary" in r for r in rows)
+    table = (tmp_path / "results.md").read_text()
+    assert "| softmax |" in table and "| linear_elu |" in table and "majority" in table
+    assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,210 @@
+"""``python -m train.results``: the mini-LRA table, every mechanism on every task, one budget.
+
+    python -m train.results --tasks listops,pathfinder \\
+        --attentions softmax,performer,flexformer_n --steps 500 --workdir results
+
+Runs ``train_and_evaluate`` for each (task, attention) pair with the same preset, steps and
+seed (a finished run in ``<workdir>/<task>/<attention>`` is resumed, i.e. just re-read),
+then writes ``<workdir>/results.md`` (accuracy table with the majority-class baseline,
+plus speed / size / memory per run), ``results.json`` and ``results.png`` (grouped bars).
+A run that fails (missing data set, unsupported mechanism) is reported in the table and
+the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from train import configs
+
+
+def run_all(
+    tasks: Sequence[str],
+    attentions: Sequence[str],
+    *,
+    steps: int | None,
+    preset: str = "mini",
+    workdir: str | Path = "results",
+    overrides: Sequence[str] = (),
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Train every (task, attention) pair; returns one row per run (summary or error)."""
+    from train import loop
+
+    rows = []
+    for task in tasks:
+        for attention in attentions:
+            config = configs.get_config(task, preset)
+            configs.set_attention(config, attention)
+            if steps is not None:
+                config.num_train_steps = int(steps)
+            config.progress_bar = progress
+            configs.apply_overrides(config, overrides)
+            run_dir = Path(workdir) / task / attention
+            try:
+                summary = loop.train_and_evaluate(config, run_dir)
+                print(loop.format_summary(summary), flush=True)
+                rows.append({"task": task, "attention": attention, "summary": summary})
+            except Exception as e:  # one failed run must not lose the table
+                traceback.print_exc()
+                rows.append(
+                    {"task": task, "attention": attention, "error": f"{type(e).__name__}: {e}"}
+                )
+    return rows
+
+
+def _acc(summary, split):
+    return (summary.get(split) or {}).get("accuracy")
+
+
+def _fmt(x, pct=True):
+    if x is None:
+        return "—"
+    return f"{100 * x:.1f}" if pct else f"{x:.2f}"
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], *, steps=None, preset="mini") -> str:
+    """Accuracy table (attention x task, test accuracy %) and a per-run detail table."""
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    attentions = list(dict.fromkeys(r["attention"] for r in rows))
+    by = {(r["task"], r["attention"]): r for r in rows}
+    out = [
+        f"Test accuracy (%) after {steps if steps is not None else 'the preset number of'} "
+        f"steps, preset `{preset}` (same budget and seed for every mechanism).",
+        "",
+        "| attention | " + " | ".join(tasks) + " | mean |",
+        "|---|" + "---|" * (len(tasks) + 1),
+    ]
+    for a in attentions:
+        cells, accs = [], []
+        for t in tasks:
+            r = by.get((t, a))
+            if r is None or "error" in r:
+                cells.append("error" if r else "—")
+                continue
+            acc = _acc(r["summary"], "test") or _acc(r["summary"], "val")
+            accs.append(acc)
+            cells.append(_fmt(acc))
+        mean = sum(accs) / len(accs) if accs and len(accs) == len(tasks) else None
+        out.append(f"| {a} | " + " | ".join(cells) + f" | {_fmt(mean)} |")
+    majority = []
+    for t in tasks:
+        ok = [r for r in rows if r["task"] == t and "error" not in r]
+        m = (
+            ((ok[0]["summary"].get("test") or ok[0]["summary"].get("val") or {}).get("majority"))
+            if ok
+            else None
+        )
+        majority.append(_fmt(m))
+    out.append("| *majority class* | " + " | ".join(majority) + " | |")
+    out += [
+        "",
+        "| task | attention | val acc | test acc | best val (step) | steps/s | params | "
+        "train-step memory (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['task']} | {r['attention']} | error: {r['error'][:80]} | | | | | |")
+            continue
+        s = r["summary"]
+        best = s.get("best") or {}
+        mem = (s.get("memory") or {}).get("compiled_train_step") or {}
+        mib = mem.get("estimated_peak_bytes")
+        sps = _fmt(s.get("steps_per_sec"), False)
+        out.append(
+            f"| {r['task']} | {r['attention']} | {_fmt(_acc(s, 'val'))} | {_fmt(_acc(s, 'test'))} "
+            f"| {_fmt(best.get('value'))} ({best.get('step')}) | {sps} "
+            f"| {s['params']:,} | {'—' if mib is None else f'{mib / 2**20:.0f}'} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: Sequence[dict[str, Any]], png: str | Path) -> Path:
+    """Grouped bars: test accuracy per task, one bar per attention; majority as a tick."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    attentions = list(dict.fromkeys(r["attention"] for r in rows))
+    by = {(r["task"], r["attention"]): r for r in rows}
+    width = 0.8 / max(len(attentions), 1)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(tasks) * max(1, len(attentions) / 3), 3.6))
+    x = np.arange(len(tasks))
+    for i, a in enumerate(attentions):
+        vals = []
+        for t in tasks:
+            r = by.get((t, a))
+            s = r.get("summary") if r else None
+            vals.append(100 * ((_acc(s, "test") or _acc(s, "val")) or 0.0) if s else 0.0)
+        ax.bar(x + (i - (len(attentions) - 1) / 2) * width, vals, width, label=a)
+    for j, t in enumerate(tasks):
+        ok = [r for r in rows if r["task"] == t and "error" not in r]
+        if ok:
+            m = (ok[0]["summary"].get("test") or ok[0]["summary"].get("val") or {}).get("majority")
+            if m is not None:
+                ax.hlines(100 * m, j - 0.45, j + 0.45, colors="k", linestyles="dashed")
+    ax.set_xticks(x, tasks)
+    ax.set_ylabel("test accuracy (%)  (dashed: majority class)")
+    ax.legend(fontsize=8, ncols=min(len(attentions), 4))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    png = Path(png)
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
+def main(argv=None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(
+        prog="python -m train.results",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    p.add_argument("--tasks", default="listops", help="comma-separated tasks")
+    p.add_argument(
+        "--attentions",
+        default="softmax,performer,flexformer_n",
+        help="comma-separated mechanism names",
+    )
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default: the preset's)")
+    p.add_argument("--preset", default="mini")
+    p.add_argument("--workdir", default="results")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--no_progress", action="store_true")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING)
+    tasks = [t for t in args.tasks.split(",") if t]
+    attentions = [a for a in args.attentions.split(",") if a]
+    rows = run_all(
+        tasks,
+        attentions,
+        steps=args.steps,
+        preset=args.preset,
+        workdir=args.workdir,
+        overrides=args.set,
+        progress=not args.no_progress,
+    )
+    root = Path(args.workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(rows, steps=args.steps, preset=args.preset)
+    (root / "results.md").write_text(table)
+    (root / "results.json").write_text(json.dumps(rows, indent=2, default=str) + "\n")
+    plot(rows, root / "results.png")
+    print(table)
+    print(f"wrote {root / 'results.md'}, {root / 'results.json'}, {root / 'results.png'}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
