@@ -1,0 +1,643 @@
+"""Randomized attention (RA) and linear randomized attention (LARA), Zheng et al. 2022 (seed 004).
+
+Notation per head: ``x^ = x d^(-1/4)`` (so ``exp(q^ . k^) = exp(q . k / sqrt(d))``) and
+
+    log xi(x, omega) = omega . x - |x|^2 / 2,
+
+the log of the positive random feature of x at frequency omega. Since
+``N(omega; 0, I) xi(q, omega) xi(k, omega) = exp(q . k) N(omega; q + k, I)``, softmax
+attention is an expectation over a query-specific mixture of Gaussians:
+
+    softmax attention_n = E_{omega ~ p_n}[f(omega)],
+    p_n(omega) = sum_m pi_nm N(omega; q^_n + k^_m, I),   pi_n = softmax_m(q^_n . k^_m),
+    f(omega) = sum_j softmax_j(log xi(k^_j, omega)) v_j.
+
+``ra`` (quadratic, unbiased) samples p_n exactly; ``lara`` (linear) replaces the
+T query-specific proposals by C shared Gaussians centred on landmarks and
+combines them by self-normalised multiple importance sampling (MIS).
+
+Random draws and padding. Draws are indexed by position, not by array size:
+RA's draws for query n come from ``fold_in(key, n)`` and the sampled key is
+found by inverse-CDF search of ``pi_n`` (one uniform per query, not a Gumbel
+array over the keys); LARA's noise for proposal c comes from
+``fold_in(key, c)``. So padding a sequence (masked keys, and extra queries or
+landmark slots at the end) does not change the draws of the real positions,
+and a padded call reproduces the unpadded one with the same rng. (Inverse-CDF
+and Gumbel-max sample the same categorical; the CDF form needs one uniform per
+query and is what makes the draws independent of the key count.)
+
+Gradients: omega is reparameterised (``omega = mean + eps``), so gradients flow
+into q, k (and the learned proposal) through the sample itself; the discrete
+choice of RA's key m* carries no gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from linattn_jax import _checks, core, landmarks
+from linattn_jax.registry import Mechanism, register
+
+_f32 = jnp.float32
+
+#: LARA's MIS weights alpha are clamped below at this value before the log.
+ALPHA_FLOOR = 1e-8
+#: LayerNorm epsilon of the learned proposal.
+LN_EPS = 1e-5
+
+_PROPOSALS = ("mean", "learned")
+_MIS = ("opt", "bh")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _masked_softmax(logits, valid, axis):
+    """``softmax(logits)`` over `axis` restricted to `valid` (broadcasts); all-invalid -> 0.
+
+    The max is detached (it cancels); invalid entries go through ``exp(-inf) = 0``
+    so neither the value nor the gradient sees them.
+    """
+    m = lax.stop_gradient(core.masked_max(logits, valid, axis))
+    e = jnp.exp(jnp.where(valid, logits - m, -jnp.inf))
+    den = jnp.sum(e, axis=axis, keepdims=True)
+    return e / jnp.where(den > 0, den, 1.0)
+
+
+def _masked_logsumexp(logits, valid, axis, fill=0.0):
+    """``logsumexp`` over `axis` restricted to `valid`; `fill` where nothing is valid."""
+    m = lax.stop_gradient(core.masked_max(logits, valid, axis))
+    e = jnp.exp(jnp.where(valid, logits - m, -jnp.inf))
+    den = jnp.sum(e, axis=axis, keepdims=True)
+    out = jnp.log(jnp.where(den > 0, den, 1.0)) + m
+    return jnp.squeeze(jnp.where(den > 0, out, fill), axis)
+
+
+def _sq_half(x):
+    """``|x|^2 / 2`` over the last axis."""
+    return 0.5 * jnp.sum(x * x, axis=-1)
+
+
+def _check_samples(name, rng, deterministic, num_samples):
+    _checks.check_positive(name, num_samples=num_samples)
+    _checks.check_rng(name, rng, deterministic)
+
+
+# ----------------------------------------------------------------------------- RA
+
+
+def ra_init(rng, *, num_heads: int, head_dim: int):
+    """RA has no params."""
+    del rng, num_heads, head_dim
+    return {}
+
+
+def _ra_valid(mask, causal, b, tq, tk):
+    """``[B, 1, Tq, Tk]`` bool: which keys each query may attend to."""
+    valid = core.key_mask(mask, tk, b)[:, None, None, :]
+    if causal:
+        valid = valid & jnp.tril(jnp.ones((tq, tk), bool))[None, None]
+    return valid
+
+
+def ra_draws(key, batch: int, q_len: int, num_heads: int, head_dim: int):
+    """One RA draw per query: ``(u [B, H, Tq] ~ U(0, 1), eps [B, Tq, H, d] ~ N(0, I))``.
+
+    Query n's values come from one ``normal(fold_in(key, n), (B, H, d + 1))``: the
+    first d coordinates are eps and ``u = Phi(z_d)`` (the normal CDF of the last one
+    is uniform). Indexed by position, they do not depend on the sequence length
+    (padding-invariant); one Gaussian draw per position keeps the traced RNG small.
+    """
+    z = jax.vmap(
+        lambda n: jax.random.normal(
+            jax.random.fold_in(key, n), (batch, num_heads, head_dim + 1), _f32
+        )
+    )(jnp.arange(q_len))  # [Tq, B, H, d + 1]
+    u = jax.scipy.special.ndtr(z[..., head_dim])
+    return jnp.transpose(u, (1, 2, 0)), jnp.transpose(z[..., :head_dim], (1, 0, 2, 3))
+
+
+def _sample_keys(rng, num_samples):
+    """Keys of the S independent RA draws: `rng` itself for S = 1, else ``split(rng, S)``.
+
+    So ``ra(num_samples=S, rng)`` is exactly the mean of ``ra(num_samples=1, key)``
+    over ``key in split(rng, S)``.
+    """
+    if num_samples == 1:
+        return rng[None]
+    return jax.random.split(rng, num_samples)
+
+
+def _check_ra(q, k, v, mask, causal, rng, deterministic, num_samples):
+    _checks.check_inputs("ra", q, k, v, mask, causal=causal)
+    _check_samples("ra", rng, deterministic, num_samples)
+
+
+def ra_attention(
+    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, num_samples=1
+):
+    """Randomized attention (RA), ``[B, Tq, H, Dv]`` in q's dtype. Quadratic, unbiased.
+
+    Per query n (paper eq. for RA): ``pi_n = softmax_m(q^_n . k^_m)`` over the keys
+    it may attend to; draw ``m* ~ pi_n``, ``eps ~ N(0, I)``, ``omega_n = q^_n +
+    k^_{m*} + eps`` and return ``f_n(omega_n) = sum_j softmax_j(omega_n . k^_j -
+    |k^_j|^2 / 2) v_j``. ``E[out_n]`` is exactly softmax attention. `num_samples`
+    S > 1 averages S independent draws (a `lax.scan`, one ``[B, H, Tq, Tk]`` score
+    matrix live at a time; the body is rematerialised for the backward pass).
+    ``deterministic=True``: ``omega_n = q^_n + sum_m pi_nm k^_m`` (no rng).
+
+    Args:
+      q: ``[B, Tq, H, Dk]``; k: ``[B, Tk, H, Dk]``; v: ``[B, Tk, H, Dv]``.
+      params: ``{}``.
+      rng: a `jax.random.key` (needed unless deterministic).
+      mask: ``[B, Tk]`` bool key padding (True = attend).
+      causal: query i sees keys j <= i, in both pi_i and the softmax of f_i.
+      num_samples: S, independent draws averaged.
+    """
+    del params
+    _check_ra(q, k, v, mask, causal, rng, deterministic, num_samples)
+    b, tq, h, d = q.shape
+    tk = k.shape[1]
+    qh, kh, v32 = core.scale_inputs(q), core.scale_inputs(k), v.astype(_f32)
+    valid = _ra_valid(mask, causal, b, tq, tk)  # [B, 1, Tq, Tk]
+    pi = _masked_softmax(jnp.einsum("bihd,bjhd->bhij", qh, kh), valid, -1)  # [B, H, Tq, Tk]
+    k_bias = jnp.transpose(_sq_half(kh), (0, 2, 1))[:, :, None, :]  # [B, H, 1, Tk]
+    kh_h = jnp.transpose(kh, (0, 2, 1, 3))  # [B, H, Tk, d]
+
+    def f(omega):  # [B, Tq, H, d] -> [B, Tq, H, Dv]
+        w = _masked_softmax(jnp.einsum("bihd,bjhd->bhij", omega, kh) - k_bias, valid, -1)
+        return jnp.einsum("bhij,bjhd->bihd", w, v32)
+
+    if deterministic:
+        return f(qh + jnp.einsum("bhij,bjhd->bihd", pi, kh)).astype(q.dtype)
+
+    # Inverse-CDF sampling of m* (see the module docstring); no gradient through the choice.
+    cdf = jnp.cumsum(lax.stop_gradient(pi), axis=-1)  # [B, H, Tq, Tk]
+    last = jnp.max(jnp.where(pi > 0, jnp.arange(tk), 0), axis=-1)  # [B, H, Tq]
+
+    def one(key):
+        u, eps = ra_draws(key, b, tq, h, d)
+        idx = jnp.sum(cdf <= (u * cdf[..., -1])[..., None], axis=-1)  # first j with cdf_j > u
+        idx = jnp.minimum(idx, last)  # u * total rounded up to total: the last valid key
+        k_star = jnp.take_along_axis(kh_h, idx[..., None], axis=2)  # [B, H, Tq, d]
+        return f(qh + jnp.transpose(k_star, (0, 2, 1, 3)) + eps)
+
+    keys = _sample_keys(rng, num_samples)
+    if num_samples == 1:
+        return one(keys[0]).astype(q.dtype)
+
+    def body(acc, key):
+        return acc + one(key), None
+
+    acc0 = jnp.zeros((b, tq, h, v.shape[-1]), _f32)
+    total, _ = lax.scan(jax.checkpoint(body), acc0, keys)
+    return (total / num_samples).astype(q.dtype)
+
+
+def ra_reference(
+    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, num_samples=1
+):
+    """Naive RA with the same draws: explicit softmax weights, one-hot key choice, stacked samples.
+
+    Materialises ``[S, B, H, Tq, Tk]``. The test oracle of `ra_attention`.
+    """
+    del params
+    _check_ra(q, k, v, mask, causal, rng, deterministic, num_samples)
+    b, tq, h, d = q.shape
+    tk = k.shape[1]
+    qh, kh, v32 = core.scale_inputs(q), core.scale_inputs(k), v.astype(_f32)
+    valid = jnp.broadcast_to(_ra_valid(mask, causal, b, tq, tk), (b, h, tq, tk))
+    any_valid = jnp.any(valid, axis=-1, keepdims=True)
+    # pi from the unscaled logits q.k / sqrt(d), as the softmax oracle writes them.
+    logits = jnp.einsum("bihd,bjhd->bhij", q.astype(_f32), k.astype(_f32)) * d**-0.5
+    pi = jax.nn.softmax(jnp.where(valid, logits, -jnp.inf), axis=-1)
+    pi = jnp.where(any_valid & valid, pi, 0.0)  # [B, H, Tq, Tk]
+
+    def f(omega):
+        scores = jnp.einsum("bihd,bjhd->bhij", omega, kh)
+        scores = scores - 0.5 * jnp.einsum("bjhd,bjhd->bhj", kh, kh)[:, :, None, :]
+        scores = jnp.where(valid, scores, -jnp.inf)
+        w = jax.nn.softmax(jnp.where(any_valid, scores, 0.0), axis=-1)
+        w = jnp.where(valid, w, 0.0)
+        return jnp.einsum("bhij,bjhd->bihd", w, v32)
+
+    if deterministic:
+        return f(qh + jnp.einsum("bhij,bjhd->bihd", pi, kh)).astype(q.dtype)
+    outs = []
+    for key in _sample_keys(rng, num_samples):
+        u, eps = ra_draws(key, b, tq, h, d)
+        cdf = jnp.cumsum(pi, axis=-1)
+        above = cdf > (u * cdf[..., -1])[..., None]
+        last = tk - 1 - jnp.argmax(jnp.flip(pi > 0, axis=-1), axis=-1)
+        idx = jnp.where(jnp.any(above, -1), jnp.argmax(above, axis=-1), last)  # [B, H, Tq]
+        onehot = jax.nn.one_hot(idx, tk, dtype=_f32)
+        k_star = jnp.einsum("bhij,bjhd->bihd", onehot, kh)
+        outs.append(f(qh + k_star + eps))
+    return jnp.mean(jnp.stack(outs), axis=0).astype(q.dtype)
+
+
+RA = register(
+    Mechanism(
+        name="ra",
+        init_fn=ra_init,
+        attention_fn=ra_attention,
+        reference_fn=ra_reference,
+        supports_causal=True,
+        stochastic=True,
+        description="randomized attention, unbiased for softmax (Zheng et al. 2022), O(T^2)",
+    )
+)
+
+
+# ----------------------------------------------------------------------------- LARA
+
+
+def _learned_names(side: str):
+    return (f"proj_{side}_w", f"proj_{side}_b", f"ln_{side}_scale", f"ln_{side}_bias")
+
+
+def lara_init(rng, *, num_heads: int, head_dim: int, proposal: str = "mean"):
+    """LARA params: ``{}`` for ``proposal="mean"``; for ``"learned"``, per side s in {q, k}:
+
+    ``proj_s_w [H, d, d]`` (init identity), ``proj_s_b [H, d]`` (0),
+    ``ln_s_scale [H, d]`` (1), ``ln_s_bias [H, d]`` (0): the per-token proposal
+    network ``LayerNorm(x^ W + b)`` applied to q^ (resp. k^) before the landmark
+    means. The init is deterministic (`rng` unused).
+    """
+    del rng
+    _checks.check_choice("lara", "proposal", proposal, _PROPOSALS)
+    if proposal == "mean":
+        return {}
+    h, d = num_heads, head_dim
+    eye = jnp.broadcast_to(jnp.eye(d, dtype=_f32), (h, d, d))
+    params = {}
+    for side in ("q", "k"):
+        w, bias, scale, shift = _learned_names(side)
+        params[w] = eye
+        params[bias] = jnp.zeros((h, d), _f32)
+        params[scale] = jnp.ones((h, d), _f32)
+        params[shift] = jnp.zeros((h, d), _f32)
+    return params
+
+
+def _proposal_features(x, params, side):
+    """``LayerNorm(x W + b)`` per token and head: ``[B, T, H, d] -> [B, T, H, d]``."""
+    w, bias, scale, shift = (params[n].astype(_f32) for n in _learned_names(side))
+    y = jnp.einsum("bthd,hde->bthe", x, w) + bias[None, None]
+    mean = jnp.mean(y, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(y - mean), axis=-1, keepdims=True)
+    return (y - mean) * lax.rsqrt(var + LN_EPS) * scale[None, None] + shift[None, None]
+
+
+def _check_lara(q, k, v, params, mask, causal, rng, deterministic, cfg):
+    num_landmarks, num_samples, proposal, grid, antithetic, mis, alpha_coeff = cfg
+    _checks.check_inputs("lara", q, k, v, mask, causal=causal)
+    _checks.check_causal_supported("lara", causal)
+    _checks.check_positive("lara", num_landmarks=num_landmarks)
+    _check_samples("lara", rng, deterministic, num_samples)
+    _checks.check_choice("lara", "proposal", proposal, _PROPOSALS)
+    _checks.check_choice("lara", "mis", mis, _MIS)
+    if not isinstance(antithetic, bool):
+        raise ValueError(f"lara: antithetic must be a bool, got {antithetic!r}")
+    if isinstance(alpha_coeff, bool) or not isinstance(alpha_coeff, int | float):
+        raise ValueError(f"lara: alpha_coeff must be a float >= 0, got {alpha_coeff!r}")
+    if not alpha_coeff >= 0.0 or alpha_coeff == float("inf"):
+        raise ValueError(f"lara: alpha_coeff must be a finite float >= 0, got {alpha_coeff!r}")
+    if grid is not None:
+        if (
+            not isinstance(grid, tuple)
+            or len(grid) != 2
+            or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in grid)
+        ):
+            raise ValueError(
+                f"lara: grid must be None or a tuple (h, w) of ints >= 1, got {grid!r}"
+            )
+        for arg, x in (("q", q), ("k", k)):
+            if grid[0] * grid[1] > x.shape[1]:
+                raise ValueError(
+                    f"lara: grid={grid} has {grid[0] * grid[1]} cells, more than the length of "
+                    f"{arg} {x.shape}"
+                )
+    if proposal == "learned":
+        h, d = q.shape[2], q.shape[3]
+        shapes = {}
+        for side in ("q", "k"):
+            w, bias, scale, shift = _learned_names(side)
+            shapes.update({w: (h, d, d), bias: (h, d), scale: (h, d), shift: (h, d)})
+        _checks.check_params("lara", params, shapes)
+
+
+def _lara_proposals(q, k, params, mask, num_landmarks, proposal, grid):
+    """Landmarks and proposal means.
+
+    Returns ``(qh, kh, q_bar, mu, valid_c, q_valid)``: scaled inputs ``[B, T, H, d]``,
+    query landmarks ``q~ [B, L, H, d]``, proposal means ``mu = q~ + k~ [B, L, H, d]``,
+    ``valid_c [B, L]`` (both landmarks of slot c exist) and ``q_valid [B, Tq]``.
+
+    Query and key landmarks use the same slot count L: ``min(C, Tq, Tk)`` for 1-D
+    segments (`landmarks.num_landmarks` with the grid for 2-D). The key mask is
+    used for the key landmarks and, when ``Tq == Tk`` (self-attention), also for the
+    query landmarks and the query statistics r_nc (padded queries take no part).
+    """
+    b, tq = q.shape[:2]
+    tk = k.shape[1]
+    qh, kh = core.scale_inputs(q), core.scale_inputs(k)
+    if proposal == "learned":
+        pq, pk = _proposal_features(qh, params, "q"), _proposal_features(kh, params, "k")
+    else:
+        pq, pk = qh, kh
+    m = num_landmarks if grid is not None else min(num_landmarks, tq, tk)
+    q_mask = mask if (mask is not None and tq == tk) else None
+    # landmarks.assignment broadcasts [B, T, 1] against [L]; allow that locally so it also
+    # runs under jax_numpy_rank_promotion="raise".
+    with jax.numpy_rank_promotion("allow"):
+        wq, lq = landmarks.assignment(tq, m, mask=q_mask, batch=b, grid=grid)
+        wk, lk = landmarks.assignment(tk, m, mask=mask, batch=b, grid=grid)
+    q_bar = landmarks.segment_means(pq, wq)
+    mu = q_bar + landmarks.segment_means(pk, wk)
+    q_valid = core.key_mask(q_mask, tq, b)
+    return qh, kh, q_bar, mu, lq & lk, q_valid
+
+
+def lara_noise(
+    key,
+    batch: int,
+    num_proposals: int,
+    num_samples: int,
+    num_heads,
+    head_dim,
+    *,
+    antithetic: bool = False,
+):
+    """LARA noise ``eps [B, L, S', H, d] ~ N(0, I)``, ``S' = 2S`` if antithetic (``+eps, -eps``).
+
+    Proposal c's noise comes from ``fold_in(key, c)`` (independent of L: padding-invariant).
+    """
+    eps = jax.vmap(
+        lambda c: jax.random.normal(
+            jax.random.fold_in(key, c), (batch, num_samples, num_heads, head_dim), _f32
+        )
+    )(jnp.arange(num_proposals))
+    eps = jnp.moveaxis(eps, 0, 1)
+    if antithetic:
+        eps = jnp.concatenate([eps, -eps], axis=2)
+    return eps
+
+
+def _lara_terms(q, k, params, rng, mask, deterministic, cfg):
+    """Shared setup of `lara_attention` and `lara_reference`: proposals and draws.
+
+    Returns a dict with ``omega [B, N, H, d]`` (N = L S' terms, proposal-major),
+    ``term_c [N]`` (the proposal of each term), ``term_valid [B, N]`` and the
+    outputs of `_lara_proposals`.
+    """
+    num_landmarks, num_samples, proposal, grid, antithetic, *_ = cfg
+    b, _, h, d = q.shape
+    qh, kh, q_bar, mu, valid_c, q_valid = _lara_proposals(
+        q, k, params, mask, num_landmarks, proposal, grid
+    )
+    n_prop = mu.shape[1]
+    if deterministic:
+        omega, per = mu, 1
+    else:
+        eps = lara_noise(rng, b, n_prop, num_samples, h, d, antithetic=antithetic)
+        omega = mu[:, :, None] + eps  # [B, L, S', H, d]
+        per = omega.shape[2]
+        omega = omega.reshape(b, n_prop * per, h, d)
+    term_c = jnp.repeat(jnp.arange(n_prop), per)
+    return dict(
+        qh=qh,
+        kh=kh,
+        q_bar=q_bar,
+        mu=mu,
+        valid_c=valid_c,
+        q_valid=q_valid,
+        omega=omega,
+        term_c=term_c,
+        term_valid=valid_c[:, term_c],
+    )
+
+
+def lara_attention(
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    num_landmarks=64,
+    num_samples=1,
+    proposal="mean",
+    grid=None,
+    antithetic=False,
+    mis="opt",
+    alpha_coeff=1.0,
+):
+    """Linear randomized attention (LARA), ``[B, Tq, H, Dv]`` in q's dtype. O(C (Tq + Tk) d).
+
+    C = `num_landmarks` Gaussian proposals ``g_c = N(mu_c, I)``, ``mu_c = q~_c + k~_c``
+    (landmarks of q^, k^, see `_lara_proposals`; ``proposal="learned"`` first maps
+    each token through ``LayerNorm(x^ W + b)``, see `lara_init`; ``grid=(h, w)``
+    pools the last h*w tokens as an image). Each proposal draws `num_samples`
+    ``omega = mu_c + eps`` (``mu_c +- eps`` pairs if `antithetic`; ``omega = mu_c``
+    and one term per proposal when deterministic). Every draw t = (c, s) is one
+    term of the self-normalised MIS estimator (paper Sec. 4, SPEC Sec. 4 lara):
+
+        f(omega_t) = sum_m softmax_m(log xi(k^_m, omega_t)) v_m
+        log p~_n(omega_t) = log xi(q^_n, omega_t) + logsumexp_m log xi(k^_m, omega_t)
+        log g_c(omega) = log xi(mu_c, omega)        (relative to N(0, I))
+        alpha_nt = g_{c_t}(omega_t) / sum_c' g_c'(omega_t) + gamma (r_{n c_t} - mean_c r_nc)
+        out_n = sum_t softmax_t(log alpha_nt + log p~_n(omega_t) - log g_{c_t}(omega_t)) f(omega_t)
+
+    with ``r_nc = softmax_n(q^_n . q~_c)`` over (valid) queries, ``gamma =
+    alpha_coeff`` (``mis="opt"``) or 0 (``mis="bh"``, the balance heuristic) and
+    alpha clamped below at `ALPHA_FLOOR` (in both modes) before the log.
+    Several samples per proposal: the MIS estimator is ``sum_c (1/S) sum_s w_c
+    p~/g_c f``; every proposal has the same S, so the balance heuristic is the same
+    ``g_c / sum_c' g_c'`` per draw and the common 1/S cancels in the
+    self-normalisation: each draw is a term with its own alpha. Because ``sum_c
+    alpha_nc = 1`` (before the clamp) the estimate converges to softmax attention as
+    S grows. Invalid landmark slots (fewer unmasked tokens than C) have log weight
+    -inf. Non-causal only.
+
+    Args:
+      q: ``[B, Tq, H, Dk]``; k: ``[B, Tk, H, Dk]``; v: ``[B, Tk, H, Dv]``.
+      params: ``{}`` or the learned proposal (`lara_init`).
+      rng: a `jax.random.key` (needed unless deterministic).
+      mask: ``[B, Tk]`` bool key padding; respected in f, p~, the key landmarks, and
+        (``Tq == Tk``) the query landmarks and r_nc.
+      num_landmarks: C (default 64, as the Nystrom family; min(C, Tq, Tk) in 1-D).
+      num_samples: draws per proposal (default 1).
+      proposal: ``"mean"`` (segment means, no params) or ``"learned"``.
+      grid: optional ``(h, w)`` for 2-D pooling of the landmarks.
+      antithetic: pair each draw eps with -eps (2 S terms per proposal).
+      mis: ``"opt"`` (balance heuristic + query-dependent correction) or ``"bh"``.
+      alpha_coeff: gamma of ``mis="opt"`` (default 1).
+    """
+    cfg = (num_landmarks, num_samples, proposal, grid, antithetic, mis, alpha_coeff)
+    _check_lara(q, k, v, params, mask, causal, rng, deterministic, cfg)
+    t = _lara_terms(q, k, params, rng, mask, deterministic, cfg)
+    qh, kh, omega, mu = t["qh"], t["kh"], t["omega"], t["mu"]
+    b, tk = k.shape[:2]
+    key_valid = core.key_mask(mask, tk, b)[:, None, None, :]  # [B, 1, 1, Tk]
+    cvalid = t["valid_c"][:, None, None, :]  # [B, 1, 1, L]
+    tvalid = t["term_valid"][:, None, None, :]  # [B, 1, 1, N]
+
+    # Keys: log xi(k^_m, omega_t), its softmax (f) and logsumexp (the p~ normaliser).
+    log_xi_k = jnp.einsum("bthd,bmhd->bhtm", omega, kh)
+    log_xi_k = log_xi_k - jnp.transpose(_sq_half(kh), (0, 2, 1))[:, :, None, :]  # [B, H, N, Tk]
+    f = jnp.einsum("bhtm,bmhd->bhtd", _masked_softmax(log_xi_k, key_valid, -1), v.astype(_f32))
+    lse_k = _masked_logsumexp(log_xi_k, key_valid, -1)  # [B, H, N]
+
+    # Queries: log p~_n(omega_t).
+    log_xi_q = jnp.einsum("bnhd,bthd->bhnt", qh, omega)
+    log_xi_q = log_xi_q - jnp.transpose(_sq_half(qh), (0, 2, 1))[..., None]  # [B, H, Tq, N]
+    log_p = log_xi_q + lse_k[:, :, None, :]
+
+    # Proposals: log g_c(omega_t) for every c, and for the term's own proposal.
+    log_g = jnp.einsum("bthd,bchd->bhtc", omega, mu)
+    log_g = log_g - jnp.transpose(_sq_half(mu), (0, 2, 1))[:, :, None, :]  # [B, H, N, L]
+    mu_t = mu[:, t["term_c"]]  # [B, N, H, d]
+    log_g_own = jnp.einsum("bthd,bthd->bht", omega, mu_t) - jnp.transpose(_sq_half(mu_t), (0, 2, 1))
+    log_bh = log_g_own - _masked_logsumexp(log_g, cvalid, -1)  # [B, H, N]
+
+    alpha = jnp.exp(log_bh)[:, :, None, :]  # [B, H, 1, N]
+    if mis == "opt":
+        alpha = alpha + alpha_coeff * _query_correction(qh, t)
+    log_alpha = jnp.log(jnp.maximum(alpha, ALPHA_FLOOR))
+
+    log_w = log_alpha + log_p - log_g_own[:, :, None, :]  # [B, H, Tq, N]
+    a = _masked_softmax(log_w, tvalid, -1)
+    return jnp.einsum("bhnt,bhtd->bnhd", a, f).astype(q.dtype)
+
+
+def _query_correction(qh, t):
+    """``r_{n c_t} - mean_c r_nc`` as ``[B, H, Tq, N]`` with ``r_nc = softmax_n(q^_n . q~_c)``."""
+    qv = t["q_valid"][:, None, :, None]  # [B, 1, Tq, 1]
+    cv = t["valid_c"][:, None, None, :]  # [B, 1, 1, L]
+    r = _masked_softmax(jnp.einsum("bnhd,bchd->bhnc", qh, t["q_bar"]), qv & cv, 2)  # [B,H,Tq,L]
+    n_c = jnp.maximum(jnp.sum(cv, axis=-1, keepdims=True), 1)
+    r_mean = jnp.sum(jnp.where(cv, r, 0.0), axis=-1, keepdims=True) / n_c
+    return (r - r_mean)[..., t["term_c"]]
+
+
+def lara_reference(
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    num_landmarks=64,
+    num_samples=1,
+    proposal="mean",
+    grid=None,
+    antithetic=False,
+    mis="opt",
+    alpha_coeff=1.0,
+):
+    """Straightforward LARA with the same landmarks and draws (the oracle of `lara_attention`).
+
+    Materialises the ``[B, H, Tq, N, Tk]`` joint log-density ``log xi(q^_n, omega) +
+    log xi(k^_m, omega)`` for p~, Gaussian log-densities ``-|omega - mu_c|^2/2 +
+    |omega|^2/2`` for g_c, linear-space balance-heuristic ratios, and the estimate
+    as an explicit ratio ``sum_t W_nt f_t / sum_t W_nt``.
+    """
+    cfg = (num_landmarks, num_samples, proposal, grid, antithetic, mis, alpha_coeff)
+    _check_lara(q, k, v, params, mask, causal, rng, deterministic, cfg)
+    t = _lara_terms(q, k, params, rng, mask, deterministic, cfg)
+    qh, kh, omega, mu = t["qh"], t["kh"], t["omega"], t["mu"]
+    b, tq, h, _ = q.shape
+    tk = k.shape[1]
+    kv = core.key_mask(mask, tk, b)
+    v32 = v.astype(_f32)
+
+    def log_xi(x, w):  # x [B, T, H, d], w [B, N, H, d] -> [B, H, T, N]
+        diff = jnp.einsum("bthd,bshd->bhts", x, w)
+        return diff - 0.5 * jnp.sum(x * x, axis=-1).transpose(0, 2, 1)[..., None]
+
+    lk = log_xi(kh, omega)  # [B, H, Tk, N]
+    lk = jnp.where(kv[:, None, :, None], lk, -jnp.inf)
+    joint = log_xi(qh, omega)[:, :, :, :, None] + jnp.swapaxes(lk, 2, 3)[:, :, None]
+    m_joint = jnp.max(joint, axis=(-1,), keepdims=True)
+    m_joint = jnp.where(jnp.isfinite(m_joint), m_joint, 0.0)
+    log_p = jnp.log(jnp.sum(jnp.exp(joint - m_joint), axis=-1)) + m_joint[..., 0]  # [B,H,Tq,N]
+
+    m_k = jnp.max(lk, axis=2, keepdims=True)
+    m_k = jnp.where(jnp.isfinite(m_k), m_k, 0.0)
+    wk = jnp.exp(lk - m_k)  # [B, H, Tk, N]
+    f = jnp.einsum("bhmt,bmhd->bhtd", wk, v32) / jnp.maximum(jnp.sum(wk, axis=2), 1e-30)[..., None]
+
+    # Gaussian log-densities relative to N(0, I), from squared distances.
+    sq = jnp.sum(jnp.square(omega[:, :, None] - mu[:, None]), axis=-1)  # [B, N, L, H]
+    log_g = (-0.5 * sq + 0.5 * jnp.sum(omega * omega, axis=-1)[:, :, None]).transpose(0, 3, 1, 2)
+    log_g = jnp.where(t["valid_c"][:, None, None, :], log_g, -jnp.inf)  # [B, H, N, L]
+    n_terms = omega.shape[1]
+    own = jax.nn.one_hot(t["term_c"], mu.shape[1], dtype=bool)  # [N, L]
+    log_g_own = jnp.sum(jnp.where(own[None, None], jnp.where(jnp.isfinite(log_g), log_g, 0), 0), -1)
+    g_max = jnp.max(log_g, axis=-1, keepdims=True)
+    g_max = jnp.where(jnp.isfinite(g_max), g_max, 0.0)
+    g_rel = jnp.exp(log_g - g_max)
+    bh = jnp.sum(jnp.where(own[None, None], g_rel, 0.0), -1) / jnp.maximum(
+        jnp.sum(g_rel, axis=-1), 1e-30
+    )  # [B, H, N]
+
+    alpha = jnp.broadcast_to(bh[:, :, None, :], (b, h, tq, n_terms))
+    if mis == "opt":
+        qv = t["q_valid"]
+        cv = t["valid_c"]
+        logits = jnp.einsum("bnhd,bchd->bhnc", qh, t["q_bar"])
+        logits = jnp.where(qv[:, None, :, None], logits, -jnp.inf)
+        r = jax.nn.softmax(logits, axis=2)
+        r = jnp.where(cv[:, None, None, :] & qv[:, None, :, None], r, 0.0)
+        r_mean = (
+            jnp.sum(r, axis=-1, keepdims=True)
+            / jnp.maximum(jnp.sum(cv, -1), 1)[:, None, None, None]
+        )
+        alpha = alpha + alpha_coeff * jnp.take(r - r_mean, t["term_c"], axis=-1)
+    log_w = jnp.log(jnp.maximum(alpha, ALPHA_FLOOR)) + log_p - log_g_own[:, :, None, :]
+    tv = t["term_valid"][:, None, None, :]
+    log_w = jnp.where(tv, log_w, -jnp.inf)
+    w_max = jnp.max(log_w, axis=-1, keepdims=True)
+    w_max = jnp.where(jnp.isfinite(w_max), w_max, 0.0)
+    weights = jnp.where(tv, jnp.exp(log_w - w_max), 0.0)
+    num = jnp.einsum("bhnt,bhtd->bnhd", weights, f)
+    den = jnp.sum(weights, axis=-1).transpose(0, 2, 1)[..., None]
+    return (num / jnp.where(den > 0, den, 1.0)).astype(q.dtype)
+
+
+LARA = register(
+    Mechanism(
+        name="lara",
+        init_fn=lara_init,
+        attention_fn=lara_attention,
+        reference_fn=lara_reference,
+        supports_causal=False,
+        stochastic=True,
+        description="linear randomized attention, MIS over C landmark proposals (Zheng et al. "
+        "2022), O(TC)",
+    )
+)
+
+
+__all__ = [
+    "ALPHA_FLOOR",
+    "LARA",
+    "RA",
+    "lara_attention",
+    "lara_init",
+    "lara_noise",
+    "lara_reference",
+    "ra_attention",
+    "ra_draws",
+    "ra_init",
+    "ra_reference",
+]
