@@ -91,9 +91,9 @@ _IMPLS = ("auto", "xla", "pallas")
 
 
 def _allow_rank_promotion():
-    # landmarks.assignment and kernels.newton_schulz_inverse (as of this writing) broadcast
-    # arrays of different ranks; allow that inside those calls so the mechanisms also run
-    # under jax_numpy_rank_promotion="raise" (our own code never relies on it).
+    # landmarks.assignment (as of this writing) broadcasts [B, T, 1] against [L]; allow that
+    # inside the call so the mechanisms also run under jax_numpy_rank_promotion="raise"
+    # (our own code never relies on rank promotion).
     return jax.numpy_rank_promotion("allow")
 
 
@@ -127,8 +127,7 @@ def _laplace_kappa(lam, impl, interpret):
     """``exp(-|x - y|_1 / lam_h)`` with lam ``[H]`` (`kernels.laplace_kernel`, exp fused)."""
 
     def kappa(x, y, col_valid):
-        with _allow_rank_promotion():
-            k = kernels.laplace_kernel(x, y, lam, impl=impl, interpret=interpret)  # lam: [H]
+        k = kernels.laplace_kernel(x, y, lam, impl=impl, interpret=interpret)  # lam: [H]
         return k * col_valid[:, None, None, :]
 
     return kappa
@@ -174,10 +173,9 @@ def _inverter(inverse: str, family: str, ns_iters: int, eps: float, impl: str, i
         return lambda a: iterative_pinv(a, ns_iters)
 
     def newton_schulz(a):
-        with _allow_rank_promotion():
-            v = kernels.newton_schulz_inverse(
-                a, iters=ns_iters, eps=eps, impl=impl, interpret=interpret
-            )
+        v = kernels.newton_schulz_inverse(
+            a, iters=ns_iters, eps=eps, impl=impl, interpret=interpret
+        )
         return v.astype(_f32)
 
     return newton_schulz
