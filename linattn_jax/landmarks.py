@@ -77,7 +77,7 @@ def assignment(seq_len: int, m: int, *, mask=None, batch: int = 1, grid=None):
         seg = (row * gh) // h * gw + (col * gw) // w
         seg = jnp.where(pos >= 0, seg, -1)[None, :]
         mask = mask & (pos >= 0)[None, :]
-    onehot = (seg[..., None] == jnp.arange(n_slots)) & mask[..., None]  # [B, T, L]
+    onehot = (seg[..., None] == jnp.arange(n_slots)[None, None, :]) & mask[..., None]  # [B, T, L]
     counts = jnp.sum(onehot, axis=1)  # [B, L]
     weights = onehot / jnp.maximum(counts, 1)[:, None, :]
     return weights.astype(jnp.float32), counts > 0

@@ -90,13 +90,6 @@ _INVERSES = ("iterative", "exact")
 _IMPLS = ("auto", "xla", "pallas")
 
 
-def _allow_rank_promotion():
-    # landmarks.assignment (as of this writing) broadcasts [B, T, 1] against [L]; allow that
-    # inside the call so the mechanisms also run under jax_numpy_rank_promotion="raise"
-    # (our own code never relies on rank promotion).
-    return jax.numpy_rank_promotion("allow")
-
-
 # --------------------------------------------------------------------------- kernels kappa
 # Each kappa takes x [B, H, N, D], y [B, H, M, D] (float32) and a column mask
 # [B, M] and returns [B, H, N, M] float32 with the masked columns zero.
@@ -186,8 +179,7 @@ def _inverter(inverse: str, family: str, ns_iters: int, eps: float, impl: str, i
 
 def _assign(t, m, mask, batch, grid, n_slots):
     """Landmark weights ``[B, T, n_slots]`` and validity ``[B, n_slots]`` (zero-padded slots)."""
-    with _allow_rank_promotion():
-        w, valid = lm.assignment(t, m, mask=mask, batch=batch, grid=grid)
+    w, valid = lm.assignment(t, m, mask=mask, batch=batch, grid=grid)
     pad = n_slots - w.shape[-1]
     if pad:
         w = jnp.pad(w, ((0, 0), (0, 0), (0, pad)))
