@@ -244,6 +244,9 @@ class Trainer:
         self.data = self.workload.build_data(config) if data is None else data
         self.model = self.workload.build_model(config, self.data)
         self.input_keys = tuple(self.data.input_keys)
+        self.example = self._example_batch()
+        self.train_keys = tuple(self.example)  # every key of a training batch
+        self.eval_keys = (*self.train_keys, "mask")
         self.mesh = shard_lib.make_mesh(config, devices)
         self.rules = shard_lib.rules(config)
         self.tx, self.schedule = make_optimizer(config)
@@ -255,9 +258,18 @@ class Trainer:
         self._setup_steps()
 
     # -------------------------------------------------------------- init / shardings
+    def _example_batch(self) -> dict[str, np.ndarray]:
+        """The first local training batch: fixes the batch keys, shapes and dtypes."""
+        it = self.data.train_batches(
+            int(self.config.batch_size),
+            seed=int(self.config.data_shuffle_seed),
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+        return {k: np.asarray(v) for k, v in next(iter(it)).items()}
+
     def _dummy_inputs(self):
-        seq_len = int(self.data.seq_len)
-        return [jnp.ones((1, seq_len), jnp.int32) for _ in self.input_keys]
+        return [jnp.asarray(self.example[k][:1]) for k in self.input_keys]
 
     def _init_variables(self, key):
         k_params, k_dropout, k_attn = jax.random.split(key, 3)
@@ -353,10 +365,9 @@ class Trainer:
         return {k: self.batch_sharding for k in keys}
 
     def _setup_steps(self):
-        keys = (*self.input_keys, "targets")
         self.train_step = jax.jit(
             self._train_step,
-            in_shardings=(self.state_shardings, self._batch_shardings(keys)),
+            in_shardings=(self.state_shardings, self._batch_shardings(self.train_keys)),
             out_shardings=(self.state_shardings, self.replicated),
             donate_argnums=0,
         )
@@ -365,40 +376,36 @@ class Trainer:
             in_shardings=(
                 self.state_shardings.params,
                 self.state_shardings.extra,
-                self._batch_shardings((*keys, "mask")),
+                self._batch_shardings(self.eval_keys),
             ),
             out_shardings=self.replicated,
         )
 
-    def batch_spec(self, batch_size: int, keys) -> dict[str, jax.ShapeDtypeStruct]:
-        seq = int(self.data.seq_len)
-        out = {}
-        for k in keys:
-            if k in self.input_keys:
-                out[k] = jax.ShapeDtypeStruct(
-                    (batch_size, seq), jnp.int32, sharding=self.batch_sharding
-                )
-            else:
-                dtype = jnp.bool_ if k == "mask" else jnp.int32
-                out[k] = jax.ShapeDtypeStruct((batch_size,), dtype, sharding=self.batch_sharding)
-        return out
+    def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Global shapes/dtypes/shardings of a training batch (the AOT-compile target)."""
+        procs = jax.process_count()
+        return {
+            k: jax.ShapeDtypeStruct(
+                (v.shape[0] * procs, *v.shape[1:]), v.dtype, sharding=self.batch_sharding
+            )
+            for k, v in self.example.items()
+        }
 
     def compile_train_step(self):
         """AOT-compile the train step; returns ``(compiled, memory_analysis dict or None)``."""
-        keys = (*self.input_keys, "targets")
-        lowered = self.train_step.lower(
-            self.abstract_sharded_state(), self.batch_spec(int(self.config.batch_size), keys)
-        )
+        lowered = self.train_step.lower(self.abstract_sharded_state(), self.batch_spec())
         compiled = lowered.compile()
         return compiled, memory_analysis_dict(compiled)
 
-    def to_global(self, batch: Mapping[str, np.ndarray], keys) -> dict[str, jax.Array]:
+    def to_global(self, batch: Mapping[str, np.ndarray], keys=None) -> dict[str, jax.Array]:
+        """Local numpy rows of ``keys`` (default: the training keys) -> global sharded arrays."""
+        keys = self.train_keys if keys is None else keys
         return shard_lib.global_batch({k: batch[k] for k in keys}, self.batch_sharding)
 
     # -------------------------------------------------------------- evaluation
     def evaluate(self, state: TrainState, split: str, num_batches: int = -1) -> dict[str, float]:
         """``sum / count`` of every loss term over ``split`` (or its first ``num_batches``)."""
-        keys = (*self.input_keys, "targets", "mask")
+        keys = self.eval_keys
         totals, labels = None, []
         it = self.data.eval_batches(
             split,
@@ -411,14 +418,15 @@ class Trainer:
                 break
             out = self.eval_step(state.params, state.extra, self.to_global(batch, keys))
             totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
-            labels.append(np.asarray(batch["targets"])[np.asarray(batch["mask"])])
+            if "targets" in batch and np.ndim(batch["targets"]) == 1:
+                labels.append(np.asarray(batch["targets"])[np.asarray(batch["mask"])])
         if totals is None:
             return {}
         totals = jax.device_get(totals)
         result = {k: float(v[0] / max(v[1], 1.0)) for k, v in totals.items()}
         result["count"] = float(next(iter(totals.values()))[1])
         labels = np.concatenate(labels) if labels else np.zeros((0,), np.int64)
-        if labels.size and jax.process_count() == 1:
+        if labels.size and labels.min() >= 0 and jax.process_count() == 1:
             # accuracy of always predicting the split's most frequent class
             result["majority"] = float(np.bincount(labels).max() / labels.size)
         return result
@@ -519,7 +527,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, data=None) -> dict
     n_params = count_params(state.params)
     n_extra = count_params(state.extra)
 
-    train_keys = (*trainer.input_keys, "targets")
+    train_keys = trainer.train_keys
     mem = None
     step_fn = trainer.train_step
     if config.compile_memory_analysis and start < num_steps:
