@@ -474,7 +474,7 @@ def _fmt_bytes(n: int | None) -> str:
 def _fmt_ratio(r: float | None, extrapolated: bool = False) -> str:
     if r is None:
         return ""
-    return f" ({'~' if extrapolated else ''}{r:.2f}x)"
+    return f" ({'~' if extrapolated else ''}{_x(r)})"
 
 
 def scaling_table(result: dict) -> str:
@@ -1000,8 +1000,13 @@ def model_table(result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _num(x, fmt="{:.2f}x"):
-    return "-" if x is None else fmt.format(x)
+def _x(r: float) -> str:
+    """A ratio with two decimals, or two significant digits below 0.1."""
+    return f"{r:.2f}x" if r >= 0.1 else f"{r:.2g}x"
+
+
+def _num(x):
+    return "-" if x is None else _x(x)
 
 
 def plot_model(result: dict, path: str) -> None:
@@ -1057,14 +1062,14 @@ def crossing(points: list[dict], name: str, mode: str, pass_: str = "fwd_bwd") -
     if not series:
         return "-"
     if series[0][1] < 1:
-        return f"< {series[0][0]} (already {series[0][1]:.2f}x)"
+        return f"< {series[0][0]} (already {_x(series[0][1])})"
     for (t0, r0, _), (t1, r1, ext) in zip(series, series[1:]):
         if r1 < 1 <= r0:
             # log r is ~linear in log T between two doublings
             f = math.log(r0) / (math.log(r0) - math.log(r1))
             t = math.exp(math.log(t0) + f * (math.log(t1) - math.log(t0)))
             return f"~{t:.0f}{' (vs extrapolated softmax)' if ext else ''}"
-    return f"> {series[-1][0]} (still {series[-1][1]:.2f}x)"
+    return f"> {series[-1][0]} (still {_x(series[-1][1])})"
 
 
 def growth_per_doubling(points: list[dict], name: str, mode: str, pass_: str = "fwd_bwd"):
@@ -1120,6 +1125,23 @@ def _registry_order(name: str) -> int:
     return known.index(name) if name in known else len(known)
 
 
+def fitted_exponent(points: list[dict], name: str, mode: str, pass_: str = "fwd_bwd"):
+    """Least-squares slope b of log time against log T over every measured point (time ~ T^b),
+    less sensitive to one noisy point than the per-doubling factors; None below 2 points."""
+    series = [
+        (p["seq_len"], p["time_ms"])
+        for p in points
+        if p.get("mechanism") == name
+        and p.get("mode") == mode
+        and p.get("pass") == pass_
+        and p.get("time_ms")
+    ]
+    if len({t for t, _ in series}) < 2:
+        return None
+    x, y = np.log2([t for t, _ in series]), np.log2([ms for _, ms in series])
+    return float(np.polyfit(x, y, 1)[0])
+
+
 def report(scaling=None, fidelity=None, model=None, *, at_seq_len: int | None = None) -> str:
     """The markdown summary of the JSON results (any may be None; `scaling` may be a list of
     results, merged with `merge_scaling`)."""
@@ -1161,9 +1183,9 @@ def _scaling_summary(scaling: dict, at_seq_len: int | None) -> str:
         out.append(
             f"| mechanism | {label} time | / softmax | / softmax_xla | fwd time | / softmax"
             f" | XLA memory ({label}) | / softmax | crosses softmax at T"
-            f" | {label} time growth per doubling of T |"
+            f" | time ~ T^b: b (x per doubling) | {label} time growth per doubling of T |"
         )
-        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|")
         for name in scaling["mechanisms"]:
             p = _at(pts, name, at, mode, main_pass)
             if p is None:
@@ -1174,13 +1196,16 @@ def _scaling_summary(scaling: dict, at_seq_len: int | None) -> str:
                 for t, f in growth_per_doubling(pts, name, mode, main_pass)
             )
             time_cell = _fmt_ms(p["time_ms"]) if p.get("time_ms") else f"{p['status']}"
+            b = fitted_exponent(pts, name, mode, main_pass)
+            fit = "-" if b is None else f"{b:.2f} ({2**b:.2f}x)"
+            cross = "-" if name == SOFTMAX else crossing(pts, name, mode, main_pass)
             out.append(
                 f"| {name} | {time_cell}"
                 f" | {_ratio_cell(p, 'ratio_time')} | {_ratio_cell(p, 'ratio_time_xla')}"
                 f" | {_fmt_ms(pf.get('time_ms')) if pf and pf.get('time_ms') else '-'}"
                 f" | {_ratio_cell(pf, 'ratio_time') if pf else '-'}"
                 f" | {_fmt_bytes(_mem(p))} | {_num(p.get('ratio_memory'))}"
-                f" | {crossing(pts, name, mode, main_pass)} | {growth or '-'} |"
+                f" | {cross} | {fit} | {growth or '-'} |"
             )
     if any(p.get("ratio_time_extrapolated") or p.get("ratio_time_xla_extrapolated") for p in pts):
         out.append(
@@ -1194,7 +1219,7 @@ def _scaling_summary(scaling: dict, at_seq_len: int | None) -> str:
 def _ratio_cell(p: dict | None, field: str) -> str:
     if p is None or p.get(field) is None:
         return "-"
-    return ("~" if p.get(f"{field}_extrapolated") else "") + f"{p[field]:.2f}x"
+    return ("~" if p.get(f"{field}_extrapolated") else "") + _x(p[field])
 
 
 def _load(env):
