@@ -30,14 +30,19 @@ and ``tau = log(2 sqrt d)``, so ``(4M)^(-1/2) * 2 = M^(-1/2)`` and at init
 ``flexformer_n`` equals ``flexformer_s`` exactly.
 
 Stabiliser. The norm factor ``exp(s(x))`` (``s = |x^|^2 / 2``, resp. ``|x|^2 /
-exp(tau)``) is applied as ``exp(s - c)`` with a detached c: per token for
-queries (``c = s(q)``, so the query factor is exactly 1 -- it cancels from the
-attention ratio anyway), and the maximum over all unmasked keys (per batch and
-head) for keys (`core.masked_max`). c cancels in the ratio. The features can be
-negative, so the denominator is guarded (`core.guard_denominator`, used by
-`core.attend`). The key maximum runs over the whole sequence also when causal
-(it still cancels); as for performer, a key far larger than those before it can
-make earlier keys' factors underflow.
+exp(tau)``; ``s >= 0``) is applied as ``exp(s - c)`` with a detached c that
+cancels in the attention ratio: per token for queries (``c = s(q)``, so the
+query factor is exactly 1 -- it cancels from the ratio anyway); for keys, the
+maximum over all unmasked keys (per batch and head, `core.masked_max`) when
+non-causal, and the running maximum ``c_t = max_{j <= t} s_j`` over unmasked
+keys when causal. A global maximum would let a large future key shrink every
+earlier key's factor towards 0 (and, through the absolute denominator guard,
+change earlier outputs); the running maximum instead rescales the carried state
+by ``exp(c_{t-1} - c_t)`` when it grows, which is exactly a per-token decay of
+the shared core (``log_decay``): the state at t is ``sum_{j <= t} exp(s_j - c_t)
+phi(k_j) v_j^T``, a single constant per query. The features can be negative, so
+the denominator is guarded (`core.guard_denominator`, used by `core.attend`).
+Masked keys get factor 0 before the exp (never ``inf * 0``).
 
 Variance. Like every trigonometric RFF estimate of the softmax kernel, the
 estimate's variance grows like ``exp(|q^|^2 + |k^|^2)``; it is accurate for
@@ -180,16 +185,25 @@ def _log_norm_n(x, tau):
     return jnp.sum(x * x, axis=-1, keepdims=True) * inv_scale
 
 
+def _parts(variant, x, params):
+    """``(s, phi)``: log norm factor ``[B, T, H, 1]`` and trig features ``[B, T, H, 2M]``."""
+    xh = core.scale_inputs(x)
+    if variant == "s":
+        return _log_norm_s(xh), _trig_s(xh, params["omega"])
+    return _log_norm_n(x, params["tau"]), _trig_n(xh, params["omega1"], params["omega2"])
+
+
 def feature_map_s(x, params, *, is_query: bool, mask=None):
     """Stabilised ``flexformer_s`` features ``[B, T, H, d] -> [B, T, H, 2M]`` float32.
 
     ``phi~(x) exp(-c)``: ``phi~`` as in the module docstring, c the detached
     stabiliser (per token for queries, the max over unmasked keys for keys;
-    `mask` ``[B, T]`` is used for the key stabiliser only).
+    `mask` ``[B, T]`` is used for the key stabiliser only and zeroes masked keys).
+    This is the non-causal stabilisation; causal attention uses the running max
+    (module docstring), which gives the same normalised weights up to rounding.
     """
-    xh = core.scale_inputs(x)
-    factor = _stabilised_norm_factor(_log_norm_s(xh), is_query=is_query, mask=mask)
-    return factor * _trig_s(xh, params["omega"])
+    s, phi = _parts("s", x, params)
+    return _stabilised_norm_factor(s, is_query=is_query, mask=mask) * phi
 
 
 def feature_map_n(x, params, *, is_query: bool, mask=None):
@@ -197,10 +211,26 @@ def feature_map_n(x, params, *, is_query: bool, mask=None):
 
     Same conventions as `feature_map_s`, with ``phi~(x) = exp(|x|^2 / exp(tau)) phi_n(x)``.
     """
-    xh = core.scale_inputs(x)
-    s = _log_norm_n(x, params["tau"])
-    factor = _stabilised_norm_factor(s, is_query=is_query, mask=mask)
-    return factor * _trig_n(xh, params["omega1"], params["omega2"])
+    s, phi = _parts("n", x, params)
+    return _stabilised_norm_factor(s, is_query=is_query, mask=mask) * phi
+
+
+def _causal_keys(s, phi, mask):
+    """Causal key features and decays: the running-max stabiliser.
+
+    ``c_t = max(0, max_{j <= t, unmasked} s_j)`` (detached; ``s >= 0``), key features
+    ``exp(s_t - c_t) phi(k_t)`` and per-token decay ``log g_t = c_{t-1} - c_t <= 0``,
+    so the core's state at t is ``sum_{j <= t} exp(s_j - c_t) phi(k_j) v_j^T``: one
+    constant per query, which cancels. Returns ``phi_k [B, T, H, 2M]``,
+    ``log_decay [B, T, H]``.
+    """
+    b, t = s.shape[:2]
+    valid = core.key_mask(mask, t, b)[:, :, None, None]
+    c = lax.stop_gradient(lax.cummax(jnp.where(valid, s, 0.0), axis=1))  # [B, T, H, 1]
+    phi_k = jnp.exp(jnp.where(valid, s - c, -jnp.inf)) * phi
+    c = c[..., 0]
+    log_decay = jnp.concatenate([jnp.zeros_like(c[:, :1]), c[:, :-1] - c[:, 1:]], axis=1)
+    return phi_k, log_decay
 
 
 def _variant(params):
@@ -223,14 +253,9 @@ def kernel(q, k, params):
     frequencies is ``exp(q . k / sqrt d)``. Not stabilised: it overflows for
     large norms, exactly as the kernel itself does.
     """
-    qh, kh = core.scale_inputs(q), core.scale_inputs(k)
-    if _variant(params) == "s":
-        sq, sk = _log_norm_s(qh), _log_norm_s(kh)
-        pq, pk = _trig_s(qh, params["omega"]), _trig_s(kh, params["omega"])
-    else:
-        sq, sk = _log_norm_n(q, params["tau"]), _log_norm_n(k, params["tau"])
-        pq = _trig_n(qh, params["omega1"], params["omega2"])
-        pk = _trig_n(kh, params["omega1"], params["omega2"])
+    variant = _variant(params)
+    sq, pq = _parts(variant, q, params)
+    sk, pk = _parts(variant, k, params)
     dots = jnp.einsum("bihm,bjhm->bhij", pq, pk, precision=lax.Precision.HIGHEST)
     norms = (
         sq[..., 0].transpose(0, 2, 1)[..., :, None] + sk[..., 0].transpose(0, 2, 1)[..., None, :]
@@ -270,9 +295,14 @@ def _attend(name, q, k, v, params, mask, causal, chunk_size, learn_frequencies, 
     if not learn_frequencies:
         for key in freq_keys:
             params[key] = lax.stop_gradient(params[key])
-    fmap = feature_map_s if name == "flexformer_s" else feature_map_n
-    phi_q = fmap(q, params, is_query=True)
-    phi_k = fmap(k, params, is_query=False, mask=mask)
+    variant = name[-1]
+    s_q, phi_q = _parts(variant, q, params)
+    phi_q = _stabilised_norm_factor(s_q, is_query=True, mask=None) * phi_q
+    s_k, phi_k = _parts(variant, k, params)
+    if causal:
+        phi_k, log_decay = _causal_keys(s_k, phi_k, mask)
+    else:
+        phi_k, log_decay = _stabilised_norm_factor(s_k, is_query=False, mask=mask) * phi_k, None
     return core.attend(
         phi_q,
         phi_k,
@@ -281,6 +311,7 @@ def _attend(name, q, k, v, params, mask, causal, chunk_size, learn_frequencies, 
         mask=mask,
         causal=causal,
         chunk_size=chunk_size,
+        log_decay=log_decay,
         quadratic=quadratic,
     )
 

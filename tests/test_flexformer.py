@@ -330,6 +330,39 @@ def test_masked_keys_contribute_nothing(name, causal):
     np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
 
 
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_explicit_kernel_attention(name, causal):
+    """Independent oracle for the stabilisers (global max, causal running max + decay): the
+    attention equals sum_j K_ij v_j / sum_j K_ij with K the unstabilised `kernel`, the masked
+    keys (and j > i when causal) dropped. Key norms vary 0.1..3 so the maxima move."""
+    q, k, v = _inputs(jax.random.key(24), t=11)
+    k = k * jnp.linspace(0.2, 6.0, 11)[None, :, None, None]  # growing: the running max moves
+    p = _params(name, jax.random.key(25))
+    mask = _mask(2, 11)
+    out = _jit(name)(q, k, v, p, mask=mask, causal=causal, chunk_size=4)
+    a = ff.kernel(q, k, p) * mask[:, None, None, :]  # [B, H, Tq, Tk]
+    if causal:
+        a = a * jnp.tril(jnp.ones((11, 11)))[None, None]
+    expected = jnp.einsum("bhij,bjhd->bihd", a, v) / jnp.sum(a, -1).transpose(0, 2, 1)[..., None]
+    _close(out, expected, 1e-4, "attention vs explicit kernel attention")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_causal_ignores_large_future_keys(name):
+    """Outputs up to t0 do not move when later keys grow huge (a global key max would
+    shrink the earlier keys' factors to 0)."""
+    q, k, v = _inputs(jax.random.key(26), t=11)
+    p = _params(name, jax.random.key(27))
+    att = _jit(name)
+    out = att(q, k, v, p, causal=True, chunk_size=4)
+    t0 = 6
+    k2, v2 = k.at[:, t0 + 1 :].mul(30.0), v.at[:, t0 + 1 :].add(5.0)
+    out2 = att(q, k2, v2, p, causal=True, chunk_size=4)
+    np.testing.assert_array_equal(np.asarray(out2[:, : t0 + 1]), np.asarray(out[:, : t0 + 1]))
+    assert not np.allclose(out2[:, t0 + 1 :], out[:, t0 + 1 :])
+
+
 # --------------------------------------------------------------------------- stability, transforms
 
 
