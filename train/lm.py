@@ -33,9 +33,7 @@ keys, so the state keeps a *running* maximum ``c_t = max_{j<=t} a_j`` and rescal
 by ``exp(c_{t-1} - c_t)`` when it grows; the common factor cancels in the ratio, so the
 recurrent output equals the parallel causal one (which stabilises the key scales by the
 same running max in `linattn_jax.core`) to float rounding, for every feature-map mechanism,
-rfa's gate included (a decay of the state). With an older performer whose features carry an
-absolute ``eps`` outside the key scale, the two forms differ by that eps term only (kept
-exactly as ``eps * sum_j v_j`` and ``eps * t``). Generation uses the deterministic (fixed)
+rfa's gate included (a decay of the state). Generation uses the deterministic (fixed)
 features of performer and rfa. Mechanisms without a feature map (softmax, ra) decode with a
 KV cache of ``max_len`` positions: the mechanism itself runs for the one new query over the
 cached keys with a key mask ``j <= t`` (for ra in its deterministic mode).
@@ -44,7 +42,6 @@ cached keys with a key mask ``j <= t`` (for ra in its deterministic mode).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 import sysconfig
@@ -409,16 +406,15 @@ class CausalLM(nn.Module):
 
 # ============================================================================ recurrence
 class KeyTerms(NamedTuple):
-    """One token's key features in the factored form ``phi(k) = exp(a - c) * b + e``.
+    """One token's key features in the factored form ``phi(k) = exp(a - c) * b``.
 
     ``a``: ``[B, 1, H, 1 or M]`` log-magnitudes (the part a stabiliser c must absorb);
-    ``b``: ``[B, 1, H, M]``; ``e``: a Python float added to every feature; ``log_decay``:
-    ``[B, 1, H]`` log of the state decay g_t (rfa's gate) or None.
+    ``b``: ``[B, 1, H, M]``; ``log_decay``: ``[B, 1, H]`` log of the state decay g_t (rfa's
+    gate) or None.
     """
 
     a: Any
     b: Any
-    e: float = 0.0
     log_decay: Any = None
 
 
@@ -439,26 +435,15 @@ class RecurrentMap:
     key: Callable[..., KeyTerms]
 
 
-_PERFORMER_OLD_API = "is_query" in inspect.signature(performer.feature_map).parameters
-
-
 def _performer_query(q, params, cfg):
-    if _PERFORMER_OLD_API:
-        return performer.feature_map(q, params["features"], is_query=True)
     return performer.feature_map(q, params["features"])[0]
 
 
 def _performer_key(k, params, cfg):
-    if not _PERFORMER_OLD_API:
-        # (phi, n): features stabilised per token, exp(n) the per-key scale (a running max
-        # over the visible keys in the parallel causal form too, so the forms agree exactly)
-        phi, n = performer.feature_map(k, params["features"])
-        return KeyTerms(n[..., None], phi)
-    w = params["features"].astype(_f32)
-    kh = core.scale_inputs(k)
-    logits = jnp.einsum("bthd,hmd->bthm", kh, w) - 0.5 * jnp.sum(kh * kh, axis=-1, keepdims=True)
-    scale = w.shape[1] ** -0.5
-    return KeyTerms(logits, jnp.full_like(logits, scale), performer.FEATURE_EPS * scale)
+    # (phi, n): features stabilised per token and exp(n) the per-key scale, which the
+    # parallel causal form also stabilises by the running max over visible keys
+    phi, n = performer.feature_map(k, params["features"])
+    return KeyTerms(n[..., None], phi)
 
 
 def _unit(x):
@@ -473,7 +458,7 @@ def _rfa_key(k, params, cfg):
         g = jnp.einsum("bthd,hd->bth", _unit(k), params["gate_w"]) + params["gate_b"][None, None]
         log_decay = jax.nn.log_sigmoid(g)
         feats = feats * jax.nn.sigmoid(-g)[..., None]
-    return KeyTerms(_zeros_like_token(k), feats, 0.0, log_decay)
+    return KeyTerms(_zeros_like_token(k), feats, log_decay)
 
 
 def _flex_s_key(k, params, cfg):
@@ -517,11 +502,10 @@ RECURRENT: dict[str, RecurrentMap] = {
 def recurrent_update(state, phi_q, terms: KeyTerms, v):
     """One step of the stabilised recurrence; returns ``(out [B, 1, H, Dv] f32, state)``.
 
-    ``state = (S [B,H,M,Dv], z [B,H,M], c [B,H], sum_v [B,H,Dv], count [B,H])`` where
-    ``S, z`` hold ``sum_j exp(a_j - c) b_j (v_j, 1)`` under the running max ``c`` and
-    ``sum_v, count`` the (unscaled) eps part.
+    ``state = (S [B, H, M, Dv], z [B, H, M], c [B, H])`` with ``S, z`` holding
+    ``sum_j g_{j+1..t} exp(a_j - c) b_j (v_j^T, 1)`` under the running max ``c``.
     """
-    s, z, c, sum_v, count = state
+    s, z, c = state
     a = terms.a[:, 0].astype(_f32)  # [B, H, A]
     b = terms.b[:, 0].astype(_f32)  # [B, H, M]
     v = v[:, 0].astype(_f32)  # [B, H, Dv]
@@ -531,14 +515,11 @@ def recurrent_update(state, phi_q, terms: KeyTerms, v):
     kf = jnp.exp(a - c_new[..., None]) * b  # [B, H, M]
     s = s * old[..., None, None] + kf[..., None] * v[:, :, None, :]
     z = z * old[..., None] + kf
-    sum_v = sum_v * g[..., None] + v
-    count = count * g + 1.0
     pq = phi_q[:, 0].astype(_f32)  # [B, H, M]
-    pq_sum = jnp.sum(pq, axis=-1)  # [B, H]
-    num = jnp.einsum("bhm,bhmd->bhd", pq, s) + (terms.e * pq_sum)[..., None] * sum_v
-    den = jnp.einsum("bhm,bhm->bh", pq, z) + terms.e * pq_sum * count
+    num = jnp.einsum("bhm,bhmd->bhd", pq, s)
+    den = jnp.einsum("bhm,bhm->bh", pq, z)
     out = num / core.guard_denominator(den)[..., None]
-    return out[:, None], (s, z, c_new, sum_v, count)
+    return out[:, None], (s, z, c_new)
 
 
 class RecurrentAttention(nn.Module):
@@ -547,7 +528,7 @@ class RecurrentAttention(nn.Module):
     trained in parallel form decodes with its own variables.
 
     Call with ``x [B, 1, F]`` and the ``cache`` collection mutable. Feature-map mechanisms
-    (`RECURRENT`) keep ``(S, z, c, sum_v, count)`` per head; the others keep ``max_len`` keys
+    (`RECURRENT`) keep ``(S, z, c)`` per head; the others keep ``max_len`` keys
     and values and run the mechanism (deterministic) over the cached prefix.
     """
 
@@ -606,8 +587,6 @@ class RecurrentAttention(nn.Module):
                     jnp.zeros((b, h, m, head_dim), _f32),
                     jnp.zeros((b, h, m), _f32),
                     jnp.full((b, h), _NEG, _f32),
-                    jnp.zeros((b, h, head_dim), _f32),
-                    jnp.zeros((b, h), _f32),
                 )
 
             state = self.variable("cache", "state", zeros)
