@@ -69,46 +69,35 @@ def _run_steps(config, task, devices, n=2, *, keep_init=False):
 
 # Float32 sums are reduced in a different order once the batch / embed axes are split, so
 # sharded and single-device results agree to rounding, not bitwise: rtol 1e-5, atol 1e-6
-# on loss and on every parameter and Adam moment after 2 steps.
-@pytest.fixture(scope="module")
-def single_device_run():
-    # performer: fixed random features ("fixed" collection) and per-step sampling ("attention")
-    config = tiny_config("performer", num_features=8)
-    config.mesh_shape = (1, 1)
-    _, state, losses, init = _run_steps(config, toy_task(), jax.devices()[:1], keep_init=True)
-    return state, losses, init
-
-
-@pytest.mark.parametrize("mesh_shape", [(4, 2), (8, 1)])
-def test_sharded_step_matches_single_device(mesh_shape, single_device_run):
+# on the loss of both steps and on every parameter and Adam moment after 2 steps.
+def test_sharded_step_matches_single_device():
     assert jax.device_count() >= 8, "conftest fakes 8 CPU devices"
     task = toy_task()
+    # performer: fixed random features ("fixed" collection) and per-step sampling ("attention")
     config = tiny_config("performer", num_features=8)
-    want_state, want_losses, _ = single_device_run
-    config.mesh_shape = mesh_shape
-    trainer, got_state, got_losses = _run_steps(config, task, jax.devices()[:8])
-    assert dict(trainer.mesh.shape) == {"data": mesh_shape[0], "fsdp": mesh_shape[1]}
-    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5, atol=1e-6)
-    assert got_losses[1] != got_losses[0]  # the params did move
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-        got_state.as_dict(),
-        want_state.as_dict(),
-    )
-    assert "fixed" in got_state.extra  # fixed features are carried, not optimised
-    # embed-axis params are really split over fsdp when it has 2 devices
-    emb = trainer.state_shardings.params["encoder"]["embed"]["embedding"].spec
-    assert emb == PartitionSpec(None, "fsdp")
-    assert got_state.params["encoder"]["embed"]["embedding"].shape == (12, 16)
-
-
-def test_fixed_features_not_optimised(single_device_run):
-    state2, _, state0 = single_device_run
-    jax.tree.map(np.testing.assert_array_equal, state2.extra, state0.extra)
-    moved = jax.tree.leaves(
-        jax.tree.map(lambda a, b: np.abs(a - b).max(), state2.params, state0.params)
-    )
-    assert max(moved) > 0
+    single = config.copy_and_resolve_references()
+    single.mesh_shape = (1, 1)
+    _, want_state, want_losses, init = _run_steps(single, task, jax.devices()[:1], keep_init=True)
+    assert want_losses[1] != want_losses[0]  # the params did move
+    # fixed features are carried in the state but not optimised; the params are
+    jax.tree.map(np.testing.assert_array_equal, want_state.extra, init.extra)
+    assert "fixed" in want_state.extra
+    moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), want_state.params, init.params)
+    assert min(jax.tree.leaves(moved)) > 0
+    for mesh_shape in [(4, 2), (8, 1)]:
+        config.mesh_shape = mesh_shape
+        trainer, got_state, got_losses = _run_steps(config, task, jax.devices()[:8])
+        assert dict(trainer.mesh.shape) == {"data": mesh_shape[0], "fsdp": mesh_shape[1]}
+        np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5, atol=1e-6)
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+            got_state.as_dict(),
+            want_state.as_dict(),
+        )
+        # embed-axis params are split over fsdp (a no-op split when it has 1 device)
+        emb = trainer.state_shardings.params["encoder"]["embed"]["embedding"]
+        assert emb.spec == PartitionSpec(None, "fsdp")
+        assert emb.shard_shape((12, 16)) == (12, 16 // mesh_shape[1])
 
 
 def test_rsqrt_schedule_is_lra():

@@ -162,7 +162,7 @@ def test_results_command_smoke(tmp_path):
     rows = results.main(
         [
             "--tasks=listops",
-            "--attentions=softmax,linear_elu",
+            "--attentions=linear_elu",
             "--steps=2",
             f"--workdir={tmp_path}",
             "--no_progress",
@@ -172,8 +172,51 @@ def test_results_command_smoke(tmp_path):
             "--set=eval_every=2",
         ]
     )
-    assert [r["attention"] for r in rows] == ["softmax", "linear_elu"]
-    assert all("summary" in r for r in rows)
+    assert [r["attention"] for r in rows] == ["linear_elu"] and "summary" in rows[0]
     table = (tmp_path / "results.md").read_text()
-    assert "| softmax |" in table and "| linear_elu |" in table and "majority" in table
+    acc = 100 * rows[0]["summary"]["test"]["accuracy"]
+    assert f"| linear_elu | {acc:.1f} | {acc:.1f} |" in table and "majority" in table
     assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_results_table_layout(tmp_path):
+    from train import results
+
+    def row(task, attention, acc, majority=0.25):
+        test = {"accuracy": acc, "majority": majority}
+        summary = {"test": test, "val": test, "params": 1000, "steps_per_sec": 2.0, "best": {}}
+        return {"task": task, "attention": attention, "summary": summary}
+
+    rows = [
+        row("listops", "softmax", 0.30),
+        row("pathfinder", "softmax", 0.60, 0.5),
+        row("listops", "performer", 0.20),
+        {"task": "pathfinder", "attention": "performer", "error": "DatasetNotFoundError: x"},
+    ]
+    table = results.markdown_table(rows, steps=10)
+    assert "| attention | listops | pathfinder | mean |" in table
+    assert "| softmax | 30.0 | 60.0 | 45.0 |" in table
+    assert "| performer | 20.0 | error | — |" in table
+    assert "| *majority class* | 25.0 | 50.0 | |" in table
+    assert results.plot(rows, tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_flags_and_missing_data(tmp_path):
+    from train.__main__ import build_config, parse_args
+    from train.data import DatasetNotFoundError
+
+    args, overrides = parse_args(
+        ["--task=pathfinder", "--steps=7", "--config.model.num_layers=3", "--set", "seed=5"]
+    )
+    config = build_config(args, overrides)
+    assert (config.task, config.num_train_steps, config.model.num_layers, config.seed) == (
+        "pathfinder",
+        7,
+        3,
+        5,
+    )
+    assert config.model.pooling == "mean" and config.attention == "flexformer_n"
+    with pytest.raises(SystemExit):
+        parse_args(["--bogus=1"])
+    with pytest.raises(DatasetNotFoundError, match="imdb_reviews"):
+        main(["--task=text", f"--data_dir={tmp_path}", f"--workdir={tmp_path / 'w'}"])

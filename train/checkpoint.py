@@ -36,6 +36,26 @@ def abstract_like(tree, shardings):
     )
 
 
+_CPU_HANDLER_SET = False
+
+
+def _cpu_array_handler() -> None:
+    """On CPU, save arrays without orbax's replica-parallel slicing.
+
+    Replica-parallel saving splits each replicated array into per-replica slices (one
+    small compiled slice op per array shape): it spreads device-to-host copies over TPU
+    and GPU hosts, but on (fake multi-device) CPU it only adds compilations -- several
+    seconds per first save of a small model. Registered once, process-wide, CPU only.
+    """
+    global _CPU_HANDLER_SET
+    if _CPU_HANDLER_SET or jax.default_backend() != "cpu":
+        return
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
+    )
+    _CPU_HANDLER_SET = True
+
+
 class Checkpointer:
     """Latest + best checkpoint managers of one run.
 
@@ -60,6 +80,7 @@ class Checkpointer:
             raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
+        _cpu_array_handler()
         self.workdir = Path(workdir).absolute()
         self.best_metric = best_metric
         self.best_mode = best_mode

@@ -49,6 +49,7 @@ model gets rng streams ``dropout`` and ``attention`` (``fold_in(key, step)`` spl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -500,143 +501,150 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, data=None) -> dict
     num_steps = int(config.num_train_steps)
     bs = int(config.batch_size)
 
-    ckpt = ckpt_lib.Checkpointer(
-        workdir,
-        max_to_keep=int(config.max_to_keep),
-        async_save=bool(config.async_checkpointing),
-        best_metric=str(config.get("best_metric", "accuracy")),
-        best_mode=str(config.get("best_mode", "max")),
-    )
-    best_metric = ckpt.best_metric
-    better = (lambda a, b: a > b) if ckpt.best_mode == "max" else (lambda a, b: a < b)
-
-    restored = ckpt.restore_latest(trainer.abstract_sharded_state().as_dict())
-    if restored is None:
-        state = trainer.init_state()
-        meta = {"best": None, "best_step": None}
-        start = 0
-    else:
-        state_dict, meta = restored
-        state = TrainState.from_dict(state_dict)
-        start = int(jax.device_get(state.step))
-        if meta.get("batch_size") not in (None, bs) or meta.get("data_shuffle_seed") not in (
-            None,
-            int(config.data_shuffle_seed),
-        ):
-            log.warning("resuming with a different batch size / data seed: the stream differs")
-    n_params = count_params(state.params)
-    n_extra = count_params(state.extra)
-
-    train_keys = trainer.train_keys
-    mem = None
-    step_fn = trainer.train_step
-    if config.compile_memory_analysis and start < num_steps:
-        step_fn, mem = trainer.compile_train_step()
-
-    writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, tensorboard=config.tensorboard)
-    progress = metrics_lib.Progress(
-        num_steps,
-        start,
-        enabled=is_main and bool(config.progress_bar),
-        desc=f"{config.task}/{config.attention}",
-    )
-    if is_main:
-        progress.write(
-            f"{config.task} ({config.preset}) with {config.attention}: {n_params:,} params "
-            f"(+{n_extra:,} fixed), mesh {dict(trainer.mesh.shape)}, devices "
-            f"{jax.device_count()} x {jax.devices()[0].platform}, "
-            f"{'resuming at step ' + str(start) if start else 'from scratch'}"
+    with contextlib.ExitStack() as stack:
+        ckpt = ckpt_lib.Checkpointer(
+            workdir,
+            max_to_keep=int(config.max_to_keep),
+            async_save=bool(config.async_checkpointing),
+            best_metric=str(config.get("best_metric", "accuracy")),
+            best_mode=str(config.get("best_mode", "max")),
         )
-        if mem:
+        stack.callback(ckpt.close)
+        best_metric = ckpt.best_metric
+        better = (lambda a, b: a > b) if ckpt.best_mode == "max" else (lambda a, b: a < b)
+
+        restored = ckpt.restore_latest(trainer.abstract_sharded_state().as_dict())
+        if restored is None:
+            state = trainer.init_state()
+            meta = {"best": None, "best_step": None}
+            start = 0
+        else:
+            state_dict, meta = restored
+            state = TrainState.from_dict(state_dict)
+            start = int(jax.device_get(state.step))
+            if meta.get("batch_size") not in (None, bs) or meta.get("data_shuffle_seed") not in (
+                None,
+                int(config.data_shuffle_seed),
+            ):
+                log.warning("resuming with a different batch size / data seed: the stream differs")
+        n_params = count_params(state.params)
+        n_extra = count_params(state.extra)
+
+        train_keys = trainer.train_keys
+        mem = None
+        step_fn = trainer.train_step
+        if config.compile_memory_analysis and start < num_steps:
+            step_fn, mem = trainer.compile_train_step()
+
+        writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, tensorboard=config.tensorboard)
+        stack.callback(writer.close)
+        progress = metrics_lib.Progress(
+            num_steps,
+            start,
+            enabled=is_main and bool(config.progress_bar),
+            desc=f"{config.task}/{config.attention}",
+        )
+        if is_main:
             progress.write(
-                "compiled train step memory: "
-                + ", ".join(f"{k}={v / 2**20:.1f}MiB" for k, v in mem.items())
+                f"{config.task} ({config.preset}) with {config.attention}: {n_params:,} params "
+                f"(+{n_extra:,} fixed), mesh {dict(trainer.mesh.shape)}, devices "
+                f"{jax.device_count()} x {jax.devices()[0].platform}, "
+                f"{'resuming at step ' + str(start) if start else 'from scratch'}"
             )
+            if mem:
+                progress.write(
+                    "compiled train step memory: "
+                    + ", ".join(f"{k}={v / 2**20:.1f}MiB" for k, v in mem.items())
+                )
 
-    def meta_now(step):
-        return {
-            "step": int(step),
-            "batch_size": bs,
-            "data_shuffle_seed": int(config.data_shuffle_seed),
-            "seed": int(config.seed),
-            "best": meta.get("best"),
-            "best_step": meta.get("best_step"),
-        }
+        def meta_now(step):
+            return {
+                "step": int(step),
+                "batch_size": bs,
+                "data_shuffle_seed": int(config.data_shuffle_seed),
+                "seed": int(config.seed),
+                "best": meta.get("best"),
+                "best_step": meta.get("best_step"),
+            }
 
-    batches = trainer.data.train_batches(
-        bs,
-        seed=int(config.data_shuffle_seed),
-        start_step=start,
-        num_threads=int(config.data.get("num_threads", 0)),
-        prefetch=max(2, int(config.data.get("num_threads", 0))),
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-    )
-    window: list[dict[str, jax.Array]] = []
-    last_train: dict[str, float] = {}
-    last_eval: dict[str, float] = {}
-    timed_steps, timed_seconds, t_mark = 0, 0.0, None
-    step = start
-    try:
-        while step < num_steps:
-            batch = trainer.to_global(next(batches), train_keys)
-            state, m = step_fn(state, batch)
-            step += 1
-            window.append(m)
-            if step == start + 1:
-                jax.block_until_ready(m)  # the first step includes compilation/warm-up
-                t_mark = time.time()
-            log_now = step % int(config.log_every) == 0 or step == num_steps
-            eval_now = step % int(config.eval_every) == 0 or step == num_steps
-            ckpt_now = step % int(config.checkpoint_every) == 0 or step == num_steps
-            if log_now or eval_now or ckpt_now:
-                host = jax.device_get(window)
-                last_train = {k: float(np.mean([w[k] for w in host])) for k in host[0]}
-                window = []
-                if t_mark is not None and step > start + 1:
-                    now = time.time()
-                    timed_seconds += now - t_mark
-                    timed_steps = step - start - 1
-                    t_mark = now
-                last_train["steps_per_sec"] = timed_steps / timed_seconds if timed_seconds else 0.0
-                if log_now:
-                    writer.write(step, "train", last_train)
-            progress.update(
-                1, **{k: last_train[k] for k in ("loss", "accuracy") if k in last_train}
-            )
-            if eval_now:
-                last_eval = trainer.evaluate(state, "val", int(config.num_eval_batches))
-                writer.write(step, "val", last_eval)
-                value = last_eval.get(best_metric)
-                if value is not None and (meta.get("best") is None or better(value, meta["best"])):
-                    meta["best"], meta["best_step"] = float(value), step
-                    ckpt.save_best(step, state.as_dict(), meta_now(step), last_eval)
-                if is_main:
-                    progress.write(
-                        f"step {step}: val "
-                        + ", ".join(f"{k}={v:.4f}" for k, v in last_eval.items() if k != "count")
-                        + f" (best {best_metric}={meta['best']} at {meta['best_step']})"
-                    )
-                if t_mark is not None:
-                    t_mark = time.time()  # eval time is not training time
-            if ckpt_now:
-                ckpt.save(step, state.as_dict(), meta_now(step))
-                if t_mark is not None:
+        batches = trainer.data.train_batches(
+            bs,
+            seed=int(config.data_shuffle_seed),
+            start_step=start,
+            num_threads=int(config.data.get("num_threads", 0)),
+            prefetch=max(2, int(config.data.get("num_threads", 0))),
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+        window: list[dict[str, jax.Array]] = []
+        last_train: dict[str, float] = {}
+        last_eval: dict[str, float] = {}
+        timed_steps, timed_seconds, t_mark = 0, 0.0, None
+        step = start
+        try:
+            while step < num_steps:
+                batch = trainer.to_global(next(batches), train_keys)
+                state, m = step_fn(state, batch)
+                step += 1
+                window.append(m)
+                if step == start + 1:
+                    jax.block_until_ready(m)  # the first step includes compilation/warm-up
                     t_mark = time.time()
-        ckpt.wait()
-    finally:
-        progress.close()
+                log_now = step % int(config.log_every) == 0 or step == num_steps
+                eval_now = step % int(config.eval_every) == 0 or step == num_steps
+                ckpt_now = step % int(config.checkpoint_every) == 0 or step == num_steps
+                if log_now or eval_now or ckpt_now:
+                    host = jax.device_get(window)
+                    last_train = {k: float(np.mean([w[k] for w in host])) for k in host[0]}
+                    window = []
+                    if t_mark is not None and step > start + 1:
+                        now = time.time()
+                        timed_seconds += now - t_mark
+                        timed_steps = step - start - 1
+                        t_mark = now
+                    last_train["steps_per_sec"] = (
+                        timed_steps / timed_seconds if timed_seconds else 0.0
+                    )
+                    if log_now:
+                        writer.write(step, "train", last_train)
+                progress.update(
+                    1, **{k: last_train[k] for k in ("loss", "accuracy") if k in last_train}
+                )
+                if eval_now:
+                    last_eval = trainer.evaluate(state, "val", int(config.num_eval_batches))
+                    writer.write(step, "val", last_eval)
+                    value = last_eval.get(best_metric)
+                    if value is not None and (
+                        meta.get("best") is None or better(value, meta["best"])
+                    ):
+                        meta["best"], meta["best_step"] = float(value), step
+                        ckpt.save_best(step, state.as_dict(), meta_now(step), last_eval)
+                    if is_main:
+                        progress.write(
+                            f"step {step}: val "
+                            + ", ".join(
+                                f"{k}={v:.4f}" for k, v in last_eval.items() if k != "count"
+                            )
+                            + f" (best {best_metric}={meta['best']} at {meta['best_step']})"
+                        )
+                    if t_mark is not None:
+                        t_mark = time.time()  # eval time is not training time
+                if ckpt_now:
+                    ckpt.save(step, state.as_dict(), meta_now(step))
+                    if t_mark is not None:
+                        t_mark = time.time()
+            ckpt.wait()
+        finally:
+            progress.close()
 
-    final = {"val": last_eval} if last_eval else {}
-    if start >= num_steps:  # nothing left to train: evaluate the restored state
-        final["val"] = trainer.evaluate(state, "val", int(config.num_eval_batches))
-    splits = getattr(trainer.data, "splits", {})
-    if config.eval_test and "test" in splits:
-        final["test"] = trainer.evaluate(state, "test", -1)
-        writer.write(step, "test", final["test"])
-    writer.flush()
-    writer.close()
-    ckpt.close()
+        final = {"val": last_eval} if last_eval else {}
+        if start >= num_steps:  # nothing left to train: evaluate the restored state
+            final["val"] = trainer.evaluate(state, "val", int(config.num_eval_batches))
+        splits = getattr(trainer.data, "splits", {})
+        if config.eval_test and "test" in splits:
+            final["test"] = trainer.evaluate(state, "test", -1)
+            writer.write(step, "test", final["test"])
+        writer.flush()
 
     summary = {
         "task": config.task,
