@@ -30,19 +30,13 @@ and ``tau = log(2 sqrt d)``, so ``(4M)^(-1/2) * 2 = M^(-1/2)`` and at init
 ``flexformer_n`` equals ``flexformer_s`` exactly.
 
 Stabiliser. The norm factor ``exp(s(x))`` (``s = |x^|^2 / 2``, resp. ``|x|^2 /
-exp(tau)``; ``s >= 0``) is applied as ``exp(s - c)`` with a detached c that
-cancels in the attention ratio: per token for queries (``c = s(q)``, so the
-query factor is exactly 1 -- it cancels from the ratio anyway); for keys, the
-maximum over all unmasked keys (per batch and head, `core.masked_max`) when
-non-causal, and the running maximum ``c_t = max_{j <= t} s_j`` over unmasked
-keys when causal. A global maximum would let a large future key shrink every
-earlier key's factor towards 0 (and, through the absolute denominator guard,
-change earlier outputs); the running maximum instead rescales the carried state
-by ``exp(c_{t-1} - c_t)`` when it grows, which is exactly a per-token decay of
-the shared core (``log_decay``): the state at t is ``sum_{j <= t} exp(s_j - c_t)
-phi(k_j) v_j^T``, a single constant per query. The features can be negative, so
-the denominator is guarded (`core.guard_denominator`, used by `core.attend`).
-Masked keys get factor 0 before the exp (never ``inf * 0``).
+exp(tau)``) is never formed directly. For queries it is a per-token constant
+that cancels from the attention ratio, so it is dropped. For keys it is passed
+to the shared core as ``key_log_scale``, which subtracts a detached maximum of
+s over the visible keys: all unmasked keys when non-causal, the running maximum
+``c_i = max_{j <= i} s_j`` when causal (so a large future key can never shrink
+earlier keys' factors, and no output depends on the future). The features can
+be negative, so the denominator is guarded (`core.guard_denominator`).
 
 Variance. Like every trigonometric RFF estimate of the softmax kernel, the
 estimate's variance grows like ``exp(|q^|^2 + |k^|^2)``; it is accurate for
@@ -215,24 +209,6 @@ def feature_map_n(x, params, *, is_query: bool, mask=None):
     return _stabilised_norm_factor(s, is_query=is_query, mask=mask) * phi
 
 
-def _causal_keys(s, phi, mask):
-    """Causal key features and decays: the running-max stabiliser.
-
-    ``c_t = max(0, max_{j <= t, unmasked} s_j)`` (detached; ``s >= 0``), key features
-    ``exp(s_t - c_t) phi(k_t)`` and per-token decay ``log g_t = c_{t-1} - c_t <= 0``,
-    so the core's state at t is ``sum_{j <= t} exp(s_j - c_t) phi(k_j) v_j^T``: one
-    constant per query, which cancels. Returns ``phi_k [B, T, H, 2M]``,
-    ``log_decay [B, T, H]``.
-    """
-    b, t = s.shape[:2]
-    valid = core.key_mask(mask, t, b)[:, :, None, None]
-    c = lax.stop_gradient(lax.cummax(jnp.where(valid, s, 0.0), axis=1))  # [B, T, H, 1]
-    phi_k = jnp.exp(jnp.where(valid, s - c, -jnp.inf)) * phi
-    c = c[..., 0]
-    log_decay = jnp.concatenate([jnp.zeros_like(c[:, :1]), c[:, :-1] - c[:, 1:]], axis=1)
-    return phi_k, log_decay
-
-
 def _variant(params):
     keys = set(params)
     if keys == {"omega"}:
@@ -296,13 +272,8 @@ def _attend(name, q, k, v, params, mask, causal, chunk_size, learn_frequencies, 
         for key in freq_keys:
             params[key] = lax.stop_gradient(params[key])
     variant = name[-1]
-    s_q, phi_q = _parts(variant, q, params)
-    phi_q = _stabilised_norm_factor(s_q, is_query=True, mask=None) * phi_q
+    _, phi_q = _parts(variant, q, params)  # the query norm factor cancels
     s_k, phi_k = _parts(variant, k, params)
-    if causal:
-        phi_k, log_decay = _causal_keys(s_k, phi_k, mask)
-    else:
-        phi_k, log_decay = _stabilised_norm_factor(s_k, is_query=False, mask=mask) * phi_k, None
     return core.attend(
         phi_q,
         phi_k,
@@ -311,7 +282,7 @@ def _attend(name, q, k, v, params, mask, causal, chunk_size, learn_frequencies, 
         mask=mask,
         causal=causal,
         chunk_size=chunk_size,
-        log_decay=log_decay,
+        key_log_scale=s_k[..., 0],
         quadratic=quadratic,
     )
 
