@@ -50,9 +50,15 @@ def _cpu_array_handler() -> None:
     global _CPU_HANDLER_SET
     if _CPU_HANDLER_SET or jax.default_backend() != "cpu":
         return
-    ocp.type_handlers.register_type_handler(
-        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
-    )
+    absl_log = logging.getLogger("absl")
+    level = absl_log.level
+    absl_log.setLevel(logging.ERROR)  # orbax logs a warning for every override
+    try:
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
+        )
+    finally:
+        absl_log.setLevel(level)
     _CPU_HANDLER_SET = True
 
 

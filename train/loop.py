@@ -695,9 +695,14 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         f"== {summary['task']} ({summary['preset']}) / attention={summary['attention']} ==",
         f"steps: {summary['steps']} (resumed from {summary['resumed_from']}), "
         f"params: {summary['params']:,} trainable + {summary['fixed_params']:,} fixed",
-        f"train (last window): loss {summary['train'].get('loss', float('nan')):.4f}, "
-        f"accuracy {pct(summary['train'].get('accuracy'))}",
     ]
+    if summary["train"]:
+        lines.append(
+            f"train (last window): loss {summary['train'].get('loss', float('nan')):.4f}, "
+            f"accuracy {pct(summary['train'].get('accuracy'))}"
+        )
+    else:
+        lines.append("train: nothing left to train (the run was already complete)")
     for name, res in (("val", val), ("test", test)):
         if res:
             lines.append(
