@@ -24,7 +24,9 @@ A workload is three functions; register it and give it a config::
 
     def build_data(config):            # -> object with the train.data.Task batch API:
         ...                            #    train_batches(B, seed=, start_step=, num_threads=,
-                                       #      process_index=, process_count=) -> iter of dicts,
+                                       #      process_index=, process_count=, and prefetch=
+                                       #      when num_threads > 0) -> iter of dicts (the
+                                       #      first batch fixes the keys/shapes/dtypes),
                                        #    eval_batches(split, B, process_index=,
                                        #      process_count=) -> iter of dicts with "mask" [B],
                                        #    input_keys (batch keys fed to the model, in order),
@@ -567,12 +569,13 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, data=None) -> dict
                 "best_step": meta.get("best_step"),
             }
 
+        threads = int(config.data.get("num_threads", 0))
         batches = trainer.data.train_batches(
             bs,
             seed=int(config.data_shuffle_seed),
             start_step=start,
-            num_threads=int(config.data.get("num_threads", 0)),
-            prefetch=max(2, int(config.data.get("num_threads", 0))),
+            num_threads=threads,
+            **({"prefetch": max(2, threads)} if threads else {}),  # grain: prefetch >= threads
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )
