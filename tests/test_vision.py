@@ -72,7 +72,7 @@ def test_vit_sharded_steps_every_mechanism(tmp_path, grid_spy, attention):
         batches = trainer.data.train_batches(8, seed=0)
         for _ in range(2):
             batch = next(batches)
-            assert batch["inputs"].shape == (8, 16 * 16 * 3)
+            assert batch["inputs"].shape == (8, 16, 16, 3) and batch["inputs"].dtype == np.uint8
             state, metrics = trainer.train_step(
                 state, trainer.to_global(batch, ("inputs", "targets"))
             )
@@ -159,7 +159,9 @@ def test_image_stream_resumable_and_eval_padding():
         {"image": rng.integers(0, 255, (8, 8, 3)).astype(np.uint8), "label": i % 3}
         for i in range(10)
     ]
-    task = vision.ImageTask("toy", {"train": recs, "val": recs[:5]}, 3, (8, 8), augment="pad_crop")
+    task = vision.ImageTask(
+        "toy", {"train": recs, "val": recs[:5]}, 3, (8, 8), augment="pad_crop", flatten=True
+    )
     run = [task.train_batch(s, 4, seed=3) for s in range(4)]
     it = task.train_batches(4, seed=3, start_step=2)
     for s in (2, 3):

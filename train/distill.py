@@ -15,13 +15,14 @@ Hedgehog-style two stages (Zhang et al. 2024; the Flexformer seed's distillation
    teacher's weights against the student's normalised kernel weights, minus the teacher's
    (constant) entropy, so 0 means a perfect match. Masked keys take no part, causal models
    use causal weights. Trigonometric features (flexformer, rfa) can give negative kernel
-   values ``a_ij = phi(q_i) . phi(k_j)``, for which the cross-entropy is undefined (and a
-   clamped log would reward pushing row sums towards 0): the student distribution is
-   ``relu(a_ij) / sum_j relu(a_ij)``, whose KL to p vanishes only when every ``a_ij > 0``,
-   where it equals the signed weights; the log uses ``max(s_ij, WEIGHT_FLOOR)``. The loss
-   is computed in blocks of ``block_size`` query rows (``lax.map`` over blocks, each block
-   rematerialised in the backward pass), so memory is ``O(block_size * T)`` per layer,
-   never ``T x T``.
+   values ``a_ij = phi(q_i) . phi(k_j)``, for which the cross-entropy is undefined: the
+   student distribution is then ``relu(a_ij) / sum_j relu(a_ij)`` and the loss adds the
+   fraction of ``sum_j |a_ij|`` that is negative, so it is 0 exactly when every
+   ``a_ij > 0`` and ``a_ij / sum_j a_ij = p_ij`` (for positive feature maps -- hedgehog,
+   performer, linear_elu -- the penalty is 0 and this is the plain KL); the log uses
+   ``max(s_ij, WEIGHT_FLOOR)``. The loss is computed in blocks of ``block_size`` query
+   rows (``lax.map`` over blocks, each block rematerialised in the backward pass), so
+   memory is ``O(block_size * T)`` per layer, never ``T x T``.
    Performer (and rfa's fixed features) have nothing to learn here: stage 1 only measures
    them.
 2. **Fine-tuning.** The whole student is trained on the task (the training loop's
@@ -41,13 +42,15 @@ distilled.
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from collections.abc import Callable, Iterable, Mapping
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from jax import lax
@@ -64,8 +67,6 @@ FeatureMap = Callable[..., Any]  # (x [B, T, H, d], params, *, is_query, mask) -
 
 
 def _performer_map(x, p, *, is_query, mask):
-    if _PERFORMER_OLD_API:  # (x, W, *, is_query, mask): the key max taken inside
-        return performer.feature_map(x, p["features"], is_query=is_query, mask=mask)
     phi, n = performer.feature_map(x, p["features"])  # per-token stabilised + log-scale
     if is_query:
         return phi
@@ -78,8 +79,6 @@ def _key_scale(n, mask):
     c = lax.stop_gradient(core.masked_max(n, valid, axis=1))
     return jnp.exp(jnp.where(valid, n - c, -jnp.inf))
 
-
-_PERFORMER_OLD_API = "is_query" in inspect.signature(performer.feature_map).parameters
 
 FEATURE_MAPS: dict[str, FeatureMap] = {
     "flexformer_n": lambda x, p, *, is_query, mask: flexformer.feature_map_n(
@@ -173,7 +172,8 @@ def capture_attention(model: nn.Module, variables, *args, **kwargs) -> list[Atte
 def attention_kl(
     q, k, params, feature_map: FeatureMap, *, mask=None, causal=False, block_size: int = 128
 ):
-    """``(sum of KL(p_i || s_i), number of query rows)`` over batch, heads and rows.
+    """``(sum of KL(p_i || s_i) (+ negative-mass penalty), number of query rows)`` over
+    batch, heads and rows (see the module docstring).
 
     Args:
       q, k: ``[B, T, H, d]`` teacher queries and keys (gradients are not taken through them).
@@ -220,12 +220,16 @@ def attention_kl(
         phi_q = feature_map(qb, params, is_query=True, mask=None).astype(_f32)  # [B, c, H, M]
         a = jnp.einsum("bihm,bjhm->bhij", phi_q, phi_k)
         # Negative kernel values (trigonometric features) carry no probability: the student
-        # distribution is relu(a) / sum relu(a), a proper distribution whose KL to p is 0
-        # only where every a_ij > 0, i.e. where it equals the signed weights a / sum a.
-        a = jnp.where(allowed, jnp.maximum(a, 0.0), 0.0)
-        s = a / core.guard_denominator(jnp.sum(a, axis=-1, keepdims=True))
+        # distribution is relu(a) / sum relu(a), and the fraction of |a| that is negative is
+        # added as a penalty; the sum is 0 only where every a_ij > 0 and a / sum a = p.
+        a = jnp.where(allowed, a, 0.0)
+        pos, neg = jnp.maximum(a, 0.0), jnp.maximum(-a, 0.0)
+        pos_sum = jnp.sum(pos, axis=-1, keepdims=True)
+        s = pos / core.guard_denominator(pos_sum)
         log_s = jnp.log(jnp.maximum(s, WEIGHT_FLOOR))
         kl = jnp.sum(jnp.where(allowed, p * (jnp.where(allowed, log_p, 0.0) - log_s), 0.0), -1)
+        neg_sum = jnp.sum(neg, axis=-1)
+        kl = kl + neg_sum / core.guard_denominator(pos_sum[..., 0] + neg_sum)
         rows_ok = vb[:, None, :].astype(_f32)  # [B, 1, c]
         return jnp.sum(kl * rows_ok), jnp.sum(rows_ok) * h
 
@@ -457,8 +461,444 @@ def distill_attention(
     return Stage1Result(params, history, initial, final, per_layer)
 
 
+# ---------------------------------------------------------------------------- runs
+def teacher_config(config):
+    """`config` with softmax attention (the teacher of a distillation run)."""
+    c = config.copy_and_resolve_references()
+    c.attention = "softmax"
+    c.attention_config = ml_collections.ConfigDict()
+    return c
+
+
+def student_config(config, student: str, attention_config: Mapping[str, Any] | None = None):
+    """`config` with the student mechanism (and its config, if given)."""
+    _check_student(student, attention_config or config.attention_config)
+    c = config.copy_and_resolve_references()
+    c.attention = student
+    if attention_config is not None:
+        c.attention_config = ml_collections.ConfigDict(dict(attention_config))
+    return c
+
+
+def variables_of(state) -> dict:
+    """``{"params": ..., **extra}`` of a `train.loop.TrainState`."""
+    return {"params": state.params, **state.extra}
+
+
+def restore(config, workdir, *, data=None, prefer: str = "best"):
+    """``(trainer, state, meta)`` of the run of `config` in `workdir` (best, else latest).
+
+    Raises:
+      FileNotFoundError: `workdir` has no checkpoint (says how to train one).
+    """
+    from train import checkpoint as ckpt_lib
+    from train import loop
+
+    trainer = loop.Trainer(config, data)
+    ckpt = ckpt_lib.Checkpointer(
+        workdir,
+        async_save=False,
+        best_metric=str(config.get("best_metric", "accuracy")),
+        best_mode=str(config.get("best_mode", "max")),
+    )
+    try:
+        abstract = trainer.abstract_sharded_state().as_dict()
+        restored = ckpt.restore_best(abstract) if prefer == "best" else None
+        restored = restored or ckpt.restore_latest(abstract)
+    finally:
+        ckpt.close()
+    if restored is None:
+        raise FileNotFoundError(
+            f"no checkpoint of a {config.attention!r} {config.task!r} run in {workdir}; train "
+            f"it first: python -m train --task {config.task} --preset {config.preset} "
+            f"--attention {config.attention} --workdir {workdir} (or pass --train_teacher)"
+        )
+    state_dict, meta = restored
+    return trainer, loop.TrainState.from_dict(state_dict), meta
+
+
+def init_student(teacher_state, student_trainer):
+    """A fresh student `TrainState` whose weights are the teacher's (except the mechanism
+    params, which keep their init; ``fixed`` features are the student's own)."""
+    state = student_trainer.init_state()
+    merged, _, _ = transplant(variables_of(teacher_state), variables_of(state))
+    params = jax.device_put(merged["params"], student_trainer.state_shardings.params)
+    return state.replace(params=params, opt_state=student_trainer.tx.init(params))
+
+
+def with_distilled(state, trainer, feature_maps: Mapping[tuple, Any]):
+    """`state` with the mechanism params of every attention layer replaced."""
+    merged = with_mechanism_params(variables_of(state), feature_maps)
+    params = jax.device_put(merged["params"], trainer.state_shardings.params)
+    return state.replace(params=params, opt_state=trainer.tx.init(params))
+
+
+def seed_checkpoint(workdir, trainer, state, config) -> None:
+    """Writes `state` as the step-0 checkpoint of `workdir`, so that
+    `train.loop.train_and_evaluate` starts (resumes) from it: fine-tuning reuses the loop."""
+    from train import checkpoint as ckpt_lib
+
+    ckpt = ckpt_lib.Checkpointer(workdir, async_save=False)
+    try:
+        if not ckpt.latest.all_steps():
+            state = state.replace(step=jnp.zeros((), jnp.int32))
+            meta = {
+                "step": 0,
+                "batch_size": int(config.batch_size),
+                "data_shuffle_seed": int(config.data_shuffle_seed),
+                "seed": int(config.seed),
+                "best": None,
+                "best_step": None,
+            }
+            ckpt.save(0, state.as_dict(), meta)
+            ckpt.wait()
+    finally:
+        ckpt.close()
+
+
+def input_batches(trainer, *, seed: int) -> Iterator[tuple]:
+    """Endless model-input tuples (global sharded arrays) from the training stream."""
+    keys = trainer.input_keys
+    it = trainer.data.train_batches(
+        int(trainer.config.batch_size),
+        seed=seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+    for batch in it:
+        yield tuple(trainer.to_global(batch, keys)[k] for k in keys)
+
+
+def eval_inputs(trainer, num_batches: int) -> list[tuple]:
+    """The first `num_batches` validation batches as model-input tuples."""
+    keys = trainer.input_keys
+    out = []
+    it = trainer.data.eval_batches(
+        "val",
+        int(trainer.config.eval_batch_size),
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+    for i, batch in enumerate(it):
+        if i >= num_batches:
+            break
+        out.append(tuple(trainer.to_global(batch, keys)[k] for k in keys))
+    return out
+
+
+def save_feature_maps(path, feature_maps: Mapping[tuple, Any], info: Mapping[str, Any]) -> None:
+    """Feature maps ``{path: params}`` (+ JSON-able `info`) to a msgpack file."""
+    from flax import serialization
+
+    tree = {
+        "maps": {"/".join(p): jax.device_get(v) for p, v in feature_maps.items()},
+        "info": json.dumps(dict(info)),
+    }
+    Path(path).write_bytes(serialization.msgpack_serialize(tree))
+
+
+def load_feature_maps(path) -> tuple[dict[tuple, Any], dict]:
+    """``(feature maps {path: params}, info)`` written by `save_feature_maps`."""
+    from flax import serialization
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no feature-map file {path} (written by a distillation run)")
+    tree = serialization.msgpack_restore(path.read_bytes())
+    maps = {tuple(k.split("/")): v for k, v in tree["maps"].items()}
+    return maps, json.loads(tree["info"])
+
+
+def _check_maps_fit(maps: Mapping[tuple, Any], state, student: str) -> None:
+    own = trainable_mechanism_params(variables_of(state))
+    if set(maps) != set(own):
+        raise ValueError(
+            f"feature maps are for layers {sorted(maps)}, the {student!r} student has {sorted(own)}"
+        )
+    for p in own:
+        want = jax.tree.map(lambda x: tuple(x.shape), own[p])
+        got = jax.tree.map(lambda x: tuple(np.shape(x)), dict(maps[p]))
+        if want != got:
+            raise ValueError(f"feature maps of {p}: shapes {got}, the student needs {want}")
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def distill(
+    config,
+    *,
+    teacher_workdir,
+    workdir,
+    stage1_steps: int = 300,
+    stage1_lr: float = 1e-2,
+    block_size: int = 128,
+    num_eval_batches: int = 2,
+    stage2: bool = True,
+    baselines: bool = False,
+    train_teacher: bool = False,
+    data=None,
+    log: Callable[[str], None] = _log,
+) -> dict[str, Any]:
+    """Distils the softmax teacher of `config` into ``config.attention`` (the student).
+
+    Stage 1 (`distill_attention`) for `stage1_steps`, then stage 2: the loop
+    (`train.loop.train_and_evaluate`) fine-tunes the whole student for
+    ``config.num_train_steps`` in ``workdir/stage2`` (seeded with the distilled student as its
+    step-0 checkpoint). With `baselines`, the same student is also fine-tuned for the same
+    steps from the teacher's weights without stage 1 (``workdir/no_stage1``) and trained from
+    scratch for ``stage1_steps + num_train_steps`` (``workdir/scratch``).
+
+    Writes ``workdir/feature_maps.msgpack`` (the distilled maps, for `kernel_transfer`) and
+    ``workdir/distill_summary.json``; returns the summary.
+    """
+    from train import loop
+
+    workdir = Path(workdir).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    student = config.attention
+    _check_student(student, config.attention_config)
+    t_cfg = teacher_config(config)
+    if train_teacher and not _has_checkpoint(teacher_workdir):
+        log(f"training the softmax teacher in {teacher_workdir}")
+        loop.train_and_evaluate(t_cfg, teacher_workdir, data=data)
+    t_trainer, t_state, _ = restore(t_cfg, teacher_workdir, data=data)
+    data = t_trainer.data
+    teacher_val = t_trainer.evaluate(t_state, "val")
+    log(f"teacher (softmax) val: {_fmt(teacher_val)}")
+
+    s_trainer = loop.Trainer(config, data)
+    s_state = init_student(t_state, s_trainer)
+    no_stage1_val = s_trainer.evaluate(s_state, "val")
+    log(f"student {student} with the teacher's weights, before stage 1: {_fmt(no_stage1_val)}")
+    writer = _writer(workdir, config)
+    progress = _progress(stage1_steps, f"stage 1 ({student})", config)
+
+    def on_step(step, loss):
+        writer.write(step, "stage1", {"attention_kl": loss})
+        progress.update(0, attention_kl=loss)
+
+    def tick():
+        for x in input_batches(s_trainer, seed=int(config.data_shuffle_seed) + 1):
+            progress.update(1)
+            yield x
+
+    try:
+        result = distill_attention(
+            t_trainer.model,
+            variables_of(t_state),
+            student,
+            variables_of(s_state),
+            tick(),
+            num_steps=stage1_steps,
+            learning_rate=stage1_lr,
+            block_size=block_size,
+            eval_inputs=eval_inputs(s_trainer, num_eval_batches),
+            log_every=max(1, int(config.log_every)),
+            progress=on_step,
+        )
+    finally:
+        progress.close()
+    log(
+        f"stage 1: attention KL {result.initial_loss:.4f} -> {result.final_loss:.4f} "
+        f"(per layer {', '.join(f'{x:.4f}' for x in result.per_layer)})"
+    )
+    save_feature_maps(
+        workdir / "feature_maps.msgpack",
+        result.params,
+        {"task": config.task, "student": student, "attention_config": _pairs(config)},
+    )
+    d_state = with_distilled(s_state, s_trainer, result.params)
+    zero_shot = s_trainer.evaluate(d_state, "val")
+    log(f"student after stage 1 (no fine-tuning) val: {_fmt(zero_shot)}")
+    summary: dict[str, Any] = {
+        "task": config.task,
+        "preset": config.preset,
+        "student": student,
+        "attention_config": _pairs(config),
+        "teacher_val": teacher_val,
+        "student_before_stage1_val": no_stage1_val,
+        "stage1": {
+            "steps": stage1_steps,
+            "learning_rate": stage1_lr,
+            "initial_kl": result.initial_loss,
+            "final_kl": result.final_loss,
+            "per_layer_kl": result.per_layer,
+            "history": result.history,
+        },
+        "after_stage1_val": zero_shot,
+    }
+    metric = str(config.get("best_metric", "accuracy"))
+    if stage2:
+        seed_checkpoint(workdir / "stage2", s_trainer, d_state, config)
+        s2 = loop.train_and_evaluate(config, workdir / "stage2", data=data)
+        summary["stage2"] = {"steps": s2["steps"], "val": s2["val"], "test": s2["test"]}
+        log(f"stage 2 ({s2['steps']} steps) val: {_fmt(s2['val'])}")
+    if baselines:
+        seed_checkpoint(workdir / "no_stage1", s_trainer, init_student(t_state, s_trainer), config)
+        b1 = loop.train_and_evaluate(config, workdir / "no_stage1", data=data)
+        scratch_cfg = config.copy_and_resolve_references()
+        scratch_cfg.num_train_steps = int(config.num_train_steps) + stage1_steps
+        b2 = loop.train_and_evaluate(scratch_cfg, workdir / "scratch", data=data)
+        summary["baselines"] = {
+            "no_stage1": {"steps": b1["steps"], "val": b1["val"]},
+            "scratch": {"steps": b2["steps"], "val": b2["val"]},
+        }
+        log(f"baseline, teacher weights without stage 1: {_fmt(b1['val'])}")
+        log(f"baseline, from scratch ({b2['steps']} steps): {_fmt(b2['val'])}")
+    final = summary.get("stage2", {}).get("val") or zero_shot
+    if metric in final and teacher_val.get(metric):
+        summary["recovery"] = final[metric] / teacher_val[metric]
+    writer.close()
+    (workdir / "distill_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def kernel_transfer(
+    config,
+    *,
+    teacher_workdir,
+    source,
+    workdir,
+    own=None,
+    stage1_steps: int = 300,
+    stage1_lr: float = 1e-2,
+    block_size: int = 128,
+    num_eval_batches: int = 2,
+    finetune: bool = False,
+    data=None,
+    log: Callable[[str], None] = _log,
+) -> dict[str, Any]:
+    """Feature maps distilled on task A (`source`, a ``feature_maps.msgpack``) used on task B.
+
+    Task B is `config` (student mechanism ``config.attention``, teacher in
+    `teacher_workdir`). Compares three sets of maps in B's student (all other weights the
+    B teacher's): ``own`` (distilled on B: the file `own`, or a fresh stage 1 of
+    `stage1_steps`), ``transferred`` (from A) and ``init`` (untrained). For each: the
+    attention-matching KL on B's validation batches and B's validation metric without
+    fine-tuning; with `finetune`, also after ``config.num_train_steps`` steps of stage 2.
+    ``drop`` = own - transferred (metric; positive = transfer loses).
+    """
+    from train import loop
+
+    workdir = Path(workdir).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    student = config.attention
+    t_cfg = teacher_config(config)
+    t_trainer, t_state, _ = restore(t_cfg, teacher_workdir, data=data)
+    data = t_trainer.data
+    s_trainer = loop.Trainer(config, data)
+    base = init_student(t_state, s_trainer)
+    src_maps, src_info = load_feature_maps(source)
+    _check_maps_fit(src_maps, base, student)
+    if src_info.get("student") not in (None, student):
+        raise ValueError(f"{source} holds {src_info['student']!r} maps, not {student!r}")
+    if own is not None:
+        own_maps, _ = load_feature_maps(own)
+        _check_maps_fit(own_maps, base, student)
+    else:
+        own_maps = distill_attention(
+            t_trainer.model,
+            variables_of(t_state),
+            student,
+            variables_of(base),
+            input_batches(s_trainer, seed=int(config.data_shuffle_seed) + 1),
+            num_steps=stage1_steps,
+            learning_rate=stage1_lr,
+            block_size=block_size,
+        ).params
+    variants = {
+        "own": own_maps,
+        "transferred": src_maps,
+        "init": trainable_mechanism_params(variables_of(base)),
+    }
+    ev = eval_inputs(s_trainer, num_eval_batches)
+    t_vars = variables_of(t_state)
+
+    @jax.jit
+    def kl(maps, inputs):
+        calls = capture_attention(t_trainer.model, t_vars, *inputs, deterministic=True)
+        fixed = mechanism_params(variables_of(base))
+        merged = {p: {**fixed[p], **maps[p]} for p in maps}
+        return matching_loss(calls, merged, student, block_size=block_size)[0]
+
+    metric = str(config.get("best_metric", "accuracy"))
+    summary: dict[str, Any] = {
+        "task": config.task,
+        "student": student,
+        "source": str(source),
+        "source_task": src_info.get("task"),
+        "teacher_val": t_trainer.evaluate(t_state, "val"),
+    }
+    for name, maps in variants.items():
+        maps = jax.tree.map(jnp.asarray, maps)
+        state = with_distilled(base, s_trainer, maps)
+        row = {
+            "attention_kl": float(np.mean([float(kl(maps, x)) for x in ev])),
+            "val": s_trainer.evaluate(state, "val"),
+        }
+        if finetune:
+            seed_checkpoint(workdir / name, s_trainer, state, config)
+            row["finetuned_val"] = loop.train_and_evaluate(config, workdir / name, data=data)["val"]
+        summary[name] = row
+        log(f"{name:12s} maps: attention KL {row['attention_kl']:.4f}, val {_fmt(row['val'])}")
+    key = "finetuned_val" if finetune else "val"
+    if metric in summary["own"][key]:
+        summary["drop"] = summary["own"][key][metric] - summary["transferred"][key][metric]
+        log(f"transfer drop ({metric}, own - transferred): {summary['drop']:+.4f}")
+    (workdir / "transfer_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def _has_checkpoint(workdir) -> bool:
+    root = Path(workdir)
+    return any(
+        (root / sub).is_dir() and any((root / sub).iterdir()) for sub in ("best", "checkpoints")
+    )
+
+
+def _pairs(config) -> list:
+    raw = config.attention_config
+    raw = raw.to_dict() if hasattr(raw, "to_dict") else dict(raw or {})
+    return sorted(raw.items())
+
+
+def _fmt(metrics: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k != "count")
+
+
+def _writer(workdir, config):
+    from train import metrics as metrics_lib
+
+    return metrics_lib.MetricsWriter(
+        workdir, enabled=jax.process_index() == 0, tensorboard=bool(config.tensorboard)
+    )
+
+
+def _progress(total, desc, config):
+    from train import metrics as metrics_lib
+
+    return metrics_lib.Progress(
+        total, enabled=jax.process_index() == 0 and bool(config.progress_bar), desc=desc
+    )
+
+
 __all__ = [
     "FEATURE_MAPS",
+    "distill",
+    "eval_inputs",
+    "init_student",
+    "input_batches",
+    "kernel_transfer",
+    "load_feature_maps",
+    "restore",
+    "save_feature_maps",
+    "seed_checkpoint",
+    "student_config",
+    "teacher_config",
+    "variables_of",
+    "with_distilled",
     "WEIGHT_FLOOR",
     "AttentionCall",
     "Stage1Result",
@@ -473,3 +913,130 @@ __all__ = [
     "transplant",
     "with_mechanism_params",
 ]
+
+
+# ---------------------------------------------------------------------------- command line
+_USAGE = """python -m train.distill: distil a softmax model into linear attention, or transfer
+distilled feature maps to another task.
+
+  python -m train.distill run --task listops --preset mini --student flexformer_n \\
+      --teacher_workdir workdir/listops_mini_softmax --train_teacher --baselines
+  python -m train.distill transfer --task image --preset mini --student flexformer_n \\
+      --teacher_workdir workdir/image_mini_softmax \\
+      --source workdir/distill/listops_mini_flexformer_n/feature_maps.msgpack
+
+The teacher is the same config with softmax attention, read from --teacher_workdir (best
+checkpoint, else latest); --train_teacher trains it there first if it has no checkpoint.
+Stage 2 (and the baselines, and transfer --finetune) run config.num_train_steps steps of
+the ordinary training loop (`python -m train`): progress bar, checkpoints, metrics, summary.
+Config fields: --set key=value (as for python -m train), e.g. --set num_train_steps=200.
+"""
+
+
+def main(argv=None) -> dict:
+    import argparse
+    import sys
+
+    from train import configs
+
+    p = argparse.ArgumentParser(
+        prog="python -m train.distill",
+        description=_USAGE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("command", nargs="?", default="run", choices=("run", "transfer"))
+    p.add_argument("--task", default="listops", help=f"one of {sorted(configs.CONFIGS)}")
+    p.add_argument("--preset", default="mini")
+    p.add_argument("--student", default="flexformer_n", help=f"one of {distillable_names()}")
+    p.add_argument("--teacher_workdir", default=None, help="the softmax run's workdir")
+    p.add_argument("--train_teacher", action="store_true", help="train the teacher if absent")
+    p.add_argument(
+        "--workdir", default=None, help="default: workdir/distill/<task>_<preset>_<student>"
+    )
+    p.add_argument("--stage1_steps", type=int, default=300)
+    p.add_argument("--stage1_lr", type=float, default=1e-2)
+    p.add_argument("--block_size", type=int, default=128, help="query rows per loss block")
+    p.add_argument("--no_stage2", action="store_true", help="stop after attention matching")
+    p.add_argument("--baselines", action="store_true", help="also train without stage 1 / scratch")
+    p.add_argument("--source", default=None, help="transfer: feature_maps.msgpack of task A")
+    p.add_argument("--own", default=None, help="transfer: B's own maps (default: distil now)")
+    p.add_argument("--finetune", action="store_true", help="transfer: also fine-tune each")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--no_progress", action="store_true")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+
+    config = configs.get_config(args.task, args.preset)
+    config.attention = args.student
+    configs.apply_overrides(config, args.set)
+    if args.no_progress:
+        config.progress_bar = False
+    _check_student(args.student, config.attention_config)
+    teacher_dir = args.teacher_workdir or f"workdir/{args.task}_{args.preset}_softmax"
+    name = f"{args.task}_{args.preset}_{args.student}"
+    if args.command == "run":
+        workdir = args.workdir or f"workdir/distill/{name}"
+        summary = distill(
+            config,
+            teacher_workdir=teacher_dir,
+            workdir=workdir,
+            stage1_steps=args.stage1_steps,
+            stage1_lr=args.stage1_lr,
+            block_size=args.block_size,
+            stage2=not args.no_stage2,
+            baselines=args.baselines,
+            train_teacher=args.train_teacher,
+        )
+        print(format_summary(summary), flush=True)
+        return summary
+    if args.source is None:
+        p.error("transfer needs --source (a feature_maps.msgpack written by `run`)")
+    workdir = args.workdir or f"workdir/transfer/{name}"
+    return kernel_transfer(
+        config,
+        teacher_workdir=teacher_dir,
+        source=args.source,
+        own=args.own,
+        workdir=workdir,
+        stage1_steps=args.stage1_steps,
+        stage1_lr=args.stage1_lr,
+        block_size=args.block_size,
+        finetune=args.finetune,
+    )
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """What ``python -m train.distill run`` prints at the end."""
+    s1 = summary["stage1"]
+    metric = "accuracy"
+
+    def m(res):
+        return "n/a" if not res or metric not in res else f"{res[metric]:.4f}"
+
+    lines = [
+        f"== distillation: {summary['task']} ({summary['preset']}), softmax -> "
+        f"{summary['student']} {summary['attention_config']} ==",
+        f"teacher val {metric}: {m(summary['teacher_val'])}",
+        "student with the teacher's weights, no stage 1: "
+        f"{m(summary['student_before_stage1_val'])}",
+        f"stage 1 ({s1['steps']} steps): attention KL {s1['initial_kl']:.4f} -> "
+        f"{s1['final_kl']:.4f}; val {metric} after stage 1: {m(summary['after_stage1_val'])}",
+    ]
+    if "stage2" in summary:
+        lines.append(
+            f"stage 2 ({summary['stage2']['steps']} steps): val {metric} "
+            f"{m(summary['stage2']['val'])}, test {m(summary['stage2']['test'])}"
+        )
+    if "baselines" in summary:
+        b = summary["baselines"]
+        lines.append(
+            f"baselines (same student): teacher weights without stage 1 "
+            f"({b['no_stage1']['steps']} steps) {m(b['no_stage1']['val'])}, from scratch "
+            f"({b['scratch']['steps']} steps) {m(b['scratch']['val'])}"
+        )
+    if "recovery" in summary:
+        lines.append(f"recovered {100 * summary['recovery']:.1f}% of the teacher's {metric}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

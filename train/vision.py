@@ -13,9 +13,8 @@ Nystrom family -- nystromformer, soft, laplacian -- and lara; ``"grid" in
 la.get(name).defaults``) get ``grid=(h, w)``: their landmarks / proposals are 2-D average
 pools of the patch grid (the CLS token takes no part in them), see `attention_config`.
 
-Inputs: images as uint8/int pixels. The model takes either ``[B, H, W, C]`` or the
-flattened row-major ``[B, H * W * C]`` (the layout of the training loop's token batches);
-pixels are normalised inside the model with the ImageNet mean/std.
+Inputs: images as uint8/int pixels, ``[B, H, W, C]`` or flattened row-major
+``[B, H * W * C]``; pixels are normalised inside the model with the ImageNet mean/std.
 
 Data (`ImageTask`): tfds ``imagenet2012`` (manual download; train / validation) or
 ``cifar10`` (train[:90%] / train[90%:] / test), read with ``tfds.data_source`` (no
@@ -305,8 +304,8 @@ def pad_crop_flip(img: np.ndarray, rng: np.random.Generator, pad: int = 4) -> np
 class ImageTask:
     """An image classification data set with the ``train.data.Task`` batch API.
 
-    Batches: ``inputs`` pixels flattened to int32 ``[B, H * W * C]`` (``flatten=True``, the
-    loop's token layout) or uint8 ``[B, H, W, C]``, ``targets`` int32 ``[B]``; evaluation batches
+    Batches: ``inputs`` uint8 ``[B, H, W, C]`` pixels (or, with ``flatten=True``, int32
+    ``[B, H * W * C]`` rows, the LRA token layout), ``targets`` int32 ``[B]``; evaluation batches
     add ``mask`` bool ``[B]``. The training stream is a pure function of
     ``(seed, batch_size, step)`` (shuffle by grain, augmentation from the stream position).
 
@@ -317,7 +316,7 @@ class ImageTask:
       image_size: ``(H, W)`` of the batches.
       channels: C.
       augment: ``"inception"`` (ImageNet), ``"pad_crop"`` (CIFAR) or ``"none"``.
-      flatten: batches hold ``[B, H*W*C]`` pixels.
+      flatten: batches hold int32 ``[B, H*W*C]`` pixel rows instead of uint8 images.
     """
 
     name: str
@@ -326,7 +325,7 @@ class ImageTask:
     image_size: tuple[int, int]
     channels: int = 3
     augment: str = "pad_crop"
-    flatten: bool = True
+    flatten: bool = False
     crop_fraction: float = 0.875
     batch_size: int = 32
     seed: int = 0
@@ -362,7 +361,6 @@ class ImageTask:
                 )
         img = np.ascontiguousarray(img, dtype=np.uint8)
         if self.flatten:
-            # int32: the loop's batch specs are int32 token rows (uint8 would be 4x smaller)
             img = img.reshape(-1).astype(np.int32)
         return {"inputs": img, "targets": np.int32(label)}
 
@@ -542,7 +540,7 @@ def build_image_task(cfg: Mapping[str, Any]) -> ImageTask:
         num_classes=num_classes,
         image_size=(size, size),
         augment=augment,
-        flatten=bool(cfg.get("flatten", True)),
+        flatten=bool(cfg.get("flatten", False)),
         crop_fraction=float(cfg.get("crop_fraction") or 0.875),
         batch_size=_config.positive_int(cfg, "batch_size", 32),
         seed=int(cfg.get("seed") or 0),

@@ -48,8 +48,6 @@ def get_config(preset: str = "mini") -> ml_collections.ConfigDict:
     c.best_metric = "loss"  # rank checkpoints by validation NLL ...
     c.best_mode = "min"  # ... lower is better
     c.label_smoothing = 0.0
-    # The loop's ahead-of-time compile assumes [B] targets; LM targets are [B, T].
-    c.compile_memory_analysis = False
     c.b2 = 0.98
     c.eps = 1e-9
     if preset == "mini":

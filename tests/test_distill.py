@@ -1,0 +1,200 @@
+"""train.distill: the blockwise attention-matching loss, q/k capture, weight transplant, and
+an end-to-end distillation of a small softmax ViT teacher (trained in the test)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import linattn_jax as la
+from linattn_jax import core, softmax
+from train import configs, distill, lm, models, vision
+
+
+def _naive_loss(q, k, params, name, mask, causal):
+    """Full T x T teacher / student weights: KL(p || relu(a)/sum) + negative mass fraction."""
+    fmap = distill.FEATURE_MAPS[name]
+    p = softmax.attention_weights(q, k, mask=mask, causal=causal)  # [B, H, T, T]
+    a = jnp.einsum(
+        "bihm,bjhm->bhij",
+        fmap(q, params, is_query=True, mask=None),
+        fmap(k, params, is_query=False, mask=mask),
+    )
+    t = q.shape[1]
+    allowed = jnp.ones((t, t), bool)[None, None]
+    if mask is not None:
+        allowed = allowed & mask[:, None, None, :]
+    if causal:
+        allowed = allowed & jnp.tril(jnp.ones((t, t), bool))[None, None]
+    a = jnp.where(allowed, a, 0.0)
+    pos, neg = jnp.maximum(a, 0), jnp.maximum(-a, 0)
+    s = pos / core.guard_denominator(jnp.sum(pos, -1, keepdims=True))
+    log_s = jnp.log(jnp.where(allowed, jnp.maximum(s, distill.WEIGHT_FLOOR), 1.0))
+    kl = jnp.sum(jnp.where(p > 0, p * (jnp.log(jnp.where(p > 0, p, 1.0)) - log_s), 0.0), -1)
+    kl = kl + jnp.sum(neg, -1) / core.guard_denominator(jnp.sum(pos + neg, -1))
+    rows = jnp.ones(q.shape[:2]) if mask is None else mask.astype(jnp.float32)
+    return jnp.sum(kl * rows[:, None, :]), jnp.sum(rows) * q.shape[2]
+
+
+@pytest.mark.parametrize("name", ["hedgehog", "flexformer_n", "performer"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_blockwise_loss_equals_naive(name, causal):
+    b, t, h, d = 2, 11, 2, 8
+    q = jax.random.normal(jax.random.key(0), (b, t, h, d))
+    k = jax.random.normal(jax.random.key(1), (b, t, h, d))
+    mask = None if causal else jnp.arange(t)[None, :] < jnp.asarray([[t], [7]])
+    mech = la.get(name).bind(**({"num_features": 16} if name != "hedgehog" else {}))
+    params = mech.init(jax.random.key(2), num_heads=h, head_dim=d)
+    fmap = distill.FEATURE_MAPS[name]
+
+    def blockwise(p):
+        return distill.attention_kl(q, k, p, fmap, mask=mask, causal=causal, block_size=4)
+
+    (s, c), (s0, c0) = blockwise(params), _naive_loss(q, k, params, name, mask, causal)
+    assert float(c) == float(c0)
+    np.testing.assert_allclose(float(s), float(s0), rtol=1e-4)
+    if name != "performer":  # gradients w.r.t. the feature-map params
+        g = jax.grad(lambda p: blockwise(p)[0])(params)
+        g0 = jax.grad(lambda p: _naive_loss(q, k, p, name, mask, causal)[0])(params)
+        for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(g0), strict=True):
+            # float32: differently ordered sums of trig features (scale: the largest entry)
+            scale = float(jnp.max(jnp.abs(y)))
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-3, atol=2e-4 * scale)
+
+
+def test_loss_is_zero_for_a_perfect_student_and_flags_negative_mass():
+    """Features whose kernel is exactly exp(q.k / sqrt d) give 0; negative kernel mass counts."""
+    q = jax.random.normal(jax.random.key(0), (1, 5, 1, 4))
+    k = jax.random.normal(jax.random.key(1), (1, 5, 1, 4))
+    eye = jnp.eye(5)[None, :, None, :]  # key j -> one-hot j
+
+    def exact(x, prm, *, is_query, mask):  # phi(q)_j = exp(q . k_j / 2) (d = 4)
+        return jnp.exp(jnp.einsum("bihd,bjhd->bihj", x, k) / 2.0) if is_query else eye
+
+    for causal in (False, True):
+        s, c = distill.attention_kl(q, k, {}, exact, causal=causal, block_size=2)
+        assert abs(float(s)) < 1e-5 and float(c) == 5.0
+
+    def shifted(x, prm, *, is_query, mask):  # the same minus a constant: some a_ij < 0
+        return exact(x, prm, is_query=is_query, mask=mask) - (1.0 if is_query else 0.0)
+
+    s2, _ = distill.attention_kl(q, k, {}, shifted, block_size=2)
+    a = np.exp(np.einsum("bihd,bjhd->bij", np.asarray(q), np.asarray(k)) / 2.0) - 1.0
+    assert (a < 0).any()
+    assert float(s2) > 0.01
+
+
+def test_capture_attention_calls():
+    # LRA encoder with padding, CLS pooling and tied layers: one record per call, CLS mask
+    enc = models.Encoder(
+        vocab_size=10,
+        max_len=6,
+        num_layers=3,
+        emb_dim=16,
+        num_heads=2,
+        qkv_dim=16,
+        mlp_dim=16,
+        tied_layers=True,
+    )
+    model = models.EncoderClassifier(encoder=enc, num_classes=3)
+    tokens = jnp.asarray([[3, 4, 5, 0, 0, 0], [1, 2, 3, 4, 5, 6]])
+    variables = model.init({"params": jax.random.key(0)}, tokens)
+    calls = distill.capture_attention(model, variables, tokens, deterministic=True)
+    assert [c.path for c in calls] == [("encoder", "block", "attention")] * 3
+    want = jnp.concatenate([jnp.ones((2, 1), bool), tokens != 0], axis=1)
+    for c in calls:
+        assert c.q.shape == c.k.shape == (2, 7, 2, 8) and not c.causal
+        np.testing.assert_array_equal(np.asarray(c.mask), np.asarray(want))
+    assert not np.allclose(calls[0].q, calls[1].q)  # layer inputs differ
+    # the causal LM
+    lm_model = lm.CausalLM(max_len=8, num_layers=2, emb_dim=16, num_heads=2, qkv_dim=16, mlp_dim=16)
+    toks = jnp.ones((1, 8), jnp.int32)
+    lv = lm_model.init({"params": jax.random.key(0)}, toks)
+    calls = distill.capture_attention(lm_model, lv, toks, deterministic=True)
+    assert [(c.path, c.causal, c.mask) for c in calls] == [
+        (("block_0", "attention"), True, None),
+        (("block_1", "attention"), True, None),
+    ]
+    # q really is the query projection of the layer input
+    x = lm_model.apply(lv, toks, method=lambda m, t: m.variables)  # noqa: F841 (smoke)
+    assert distill.attention_paths(lv) == [("block_0", "attention"), ("block_1", "attention")]
+
+
+def test_transplant_keeps_student_mechanism_and_fixed():
+    x = jnp.zeros((2, 8, 8, 3), jnp.uint8)
+    teacher = vision.ViT(
+        num_classes=3, image_size=(8, 8), emb_dim=16, num_layers=1, num_heads=2, mlp_dim=16
+    )
+    student = teacher.clone(attention="performer", attention_config=(("num_features", 8),))
+    tv = teacher.init({"params": jax.random.key(0)}, x)
+    sv = student.init({"params": jax.random.key(1)}, x)
+    merged, copied, kept = distill.transplant(tv, sv)
+    assert ("fixed", "block_0", "attention", "mechanism", "features") in kept
+    assert ("params", "block_0", "attention", "query", "kernel") in copied
+    np.testing.assert_array_equal(
+        merged["params"]["block_0"]["attention"]["query"]["kernel"],
+        jax.device_get(tv["params"]["block_0"]["attention"]["query"]["kernel"].value),
+    )
+    np.testing.assert_array_equal(
+        merged["fixed"]["block_0"]["attention"]["mechanism"]["features"],
+        sv["fixed"]["block_0"]["attention"]["mechanism"]["features"],
+    )
+    # the merged student's q/k equal the teacher's: same projections, same inputs
+    qt = distill.capture_attention(teacher, tv, x, deterministic=True)[0].q
+    qs = distill.capture_attention(student, merged, x, deterministic=True)[0].q
+    np.testing.assert_allclose(np.asarray(qs), np.asarray(qt), rtol=1e-6)
+
+
+# ---------------------------------------------------------------- end to end
+def _marks(n, seed, rule):
+    """16x16 images: noise and three coloured 4x4 marks on a 4x4 patch grid.
+
+    ``rule="column"``: the label is the column of the red mark; ``"row"``: its row. The
+    class is a property of one patch, so the CLS token must attend to the red patch.
+    """
+    rng = np.random.default_rng(seed)
+    imgs = rng.integers(0, 60, size=(n, 16, 16, 3)).astype(np.uint8)
+    labels = np.zeros(n, np.int64)
+    colours = [(255, 40, 40), (40, 255, 40), (40, 40, 255)]
+    for i in range(n):
+        cells = rng.choice(16, size=3, replace=False)
+        for cell, colour in zip(cells, colours, strict=True):
+            r, c = divmod(int(cell), 4)
+            imgs[i, 4 * r : 4 * r + 4, 4 * c : 4 * c + 4] = colour
+        r, c = divmod(int(cells[0]), 4)
+        labels[i] = c if rule == "column" else r
+    return [{"image": imgs[i], "label": labels[i]} for i in range(n)]
+
+
+def _task(rule):
+    splits = {
+        s: _marks(n, i, rule)
+        for i, (s, n) in enumerate((("train", 2000), ("val", 256), ("test", 256)))
+    }
+    return vision.ImageTask("marks_" + rule, splits, 4, (16, 16), augment="none")
+
+
+def _config(student, steps):
+    c = configs.get_config("vit", "mini")
+    c.attention = student
+    c.attention_config = {"num_features": 32} if student.startswith("flex") else {}
+    c.model.update(patch_size=4, emb_dim=32, num_layers=2, num_heads=2, mlp_dim=64)
+    c.update(
+        batch_size=32,
+        eval_batch_size=128,
+        num_train_steps=steps,
+        learning_rate=1e-3,
+        warmup_steps=10,
+        weight_decay=0.0,
+        label_smoothing=0.0,
+        eval_every=steps,
+        checkpoint_every=steps,
+        progress_bar=False,
+        tensorboard=False,
+        plot=False,
+        compile_memory_analysis=False,
+        async_checkpointing=False,
+    )
+    return c
