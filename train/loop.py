@@ -672,6 +672,18 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, data=None) -> dict
         "mesh": {k: int(v) for k, v in trainer.mesh.shape.items()},
         "workdir": str(workdir),
     }
+    previous = workdir / "summary.json"
+    if not last_train and previous.exists():
+        # Nothing trained in this call (the run was complete): keep the speed and memory
+        # that the training call measured.
+        try:
+            before = json.loads(previous.read_text())
+            summary["steps_per_sec"] = before.get("steps_per_sec")
+            summary["memory"]["compiled_train_step"] = (before.get("memory") or {}).get(
+                "compiled_train_step"
+            )
+        except (OSError, ValueError):
+            pass
     if is_main:
         if config.plot and (workdir / "metrics.jsonl").exists():
             try:

@@ -139,7 +139,8 @@ def plot(rows: Sequence[dict[str, Any]], png: str | Path) -> Path:
     attentions = list(dict.fromkeys(r["attention"] for r in rows))
     by = {(r["task"], r["attention"]): r for r in rows}
     width = 0.8 / max(len(attentions), 1)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(tasks) * max(1, len(attentions) / 3), 3.6))
+    width_in = max(5.0, 1.5 + 0.45 * len(tasks) * (len(attentions) + 1))
+    fig, ax = plt.subplots(figsize=(width_in, 4.0))
     x = np.arange(len(tasks))
     for i, a in enumerate(attentions):
         vals = []
@@ -155,8 +156,15 @@ def plot(rows: Sequence[dict[str, Any]], png: str | Path) -> Path:
             if m is not None:
                 ax.hlines(100 * m, j - 0.45, j + 0.45, colors="k", linestyles="dashed")
     ax.set_xticks(x, tasks)
-    ax.set_ylabel("test accuracy (%)  (dashed: majority class)")
-    ax.legend(fontsize=8, ncols=min(len(attentions), 4))
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title("mini-LRA (dashed: majority class)", fontsize=10)
+    ax.legend(
+        fontsize=8,
+        ncols=min(len(attentions), 4),
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.1),
+        frameon=False,
+    )
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     png = Path(png)
