@@ -636,6 +636,7 @@ def distill(
     block_size: int = 128,
     num_eval_batches: int = 2,
     stage2: bool = True,
+    stage2_lr: float | None = None,
     baselines: bool = False,
     train_teacher: bool = False,
     data=None,
@@ -645,10 +646,13 @@ def distill(
 
     Stage 1 (`distill_attention`) for `stage1_steps`, then stage 2: the loop
     (`train.loop.train_and_evaluate`) fine-tunes the whole student for
-    ``config.num_train_steps`` in ``workdir/stage2`` (seeded with the distilled student as its
-    step-0 checkpoint). With `baselines`, the same student is also fine-tuned for the same
-    steps from the teacher's weights without stage 1 (``workdir/no_stage1``) and trained from
-    scratch for ``stage1_steps + num_train_steps`` (``workdir/scratch``).
+    ``config.num_train_steps`` at `stage2_lr` (default ``config.learning_rate``; a distilled
+    student wants a smaller one than training from scratch -- on the test task 1e-3 undid
+    stage 1 for flexformer_n, 1e-4 kept it) in ``workdir/stage2``, seeded with the distilled
+    student as its step-0 checkpoint. With `baselines`, the same student is also fine-tuned
+    the same way from the teacher's weights without stage 1 (``workdir/no_stage1``), and
+    trained from scratch for ``stage1_steps + num_train_steps`` steps at
+    ``config.learning_rate`` (``workdir/scratch``).
 
     Writes ``workdir/feature_maps.msgpack`` (the distilled maps, for `kernel_transfer`) and
     ``workdir/distill_summary.json``; returns the summary.
@@ -719,6 +723,7 @@ def distill(
         "attention_config": _pairs(config),
         "teacher_val": teacher_val,
         "student_before_stage1_val": no_stage1_val,
+        "stage2_learning_rate": float(stage2_lr or config.learning_rate),
         "stage1": {
             "steps": stage1_steps,
             "learning_rate": stage1_lr,
@@ -730,14 +735,18 @@ def distill(
         "after_stage1_val": zero_shot,
     }
     metric = str(config.get("best_metric", "accuracy"))
+    s2_config = config.copy_and_resolve_references()
+    if stage2_lr is not None:
+        s2_config.learning_rate = float(stage2_lr)
     if stage2:
-        seed_checkpoint(workdir / "stage2", s_trainer, d_state, config)
-        s2 = loop.train_and_evaluate(config, workdir / "stage2", data=data)
+        seed_checkpoint(workdir / "stage2", s_trainer, d_state, s2_config)
+        s2 = loop.train_and_evaluate(s2_config, workdir / "stage2", data=data)
         summary["stage2"] = {"steps": s2["steps"], "val": s2["val"], "test": s2["test"]}
         log(f"stage 2 ({s2['steps']} steps) val: {_fmt(s2['val'])}")
     if baselines:
-        seed_checkpoint(workdir / "no_stage1", s_trainer, init_student(t_state, s_trainer), config)
-        b1 = loop.train_and_evaluate(config, workdir / "no_stage1", data=data)
+        no_stage1 = init_student(t_state, s_trainer)
+        seed_checkpoint(workdir / "no_stage1", s_trainer, no_stage1, s2_config)
+        b1 = loop.train_and_evaluate(s2_config, workdir / "no_stage1", data=data)
         scratch_cfg = config.copy_and_resolve_references()
         scratch_cfg.num_train_steps = int(config.num_train_steps) + stage1_steps
         b2 = loop.train_and_evaluate(scratch_cfg, workdir / "scratch", data=data)
@@ -957,6 +966,7 @@ def main(argv=None) -> dict:
     p.add_argument("--stage1_lr", type=float, default=1e-2)
     p.add_argument("--block_size", type=int, default=128, help="query rows per loss block")
     p.add_argument("--no_stage2", action="store_true", help="stop after attention matching")
+    p.add_argument("--stage2_lr", type=float, default=None, help="default: config.learning_rate")
     p.add_argument("--baselines", action="store_true", help="also train without stage 1 / scratch")
     p.add_argument("--source", default=None, help="transfer: feature_maps.msgpack of task A")
     p.add_argument("--own", default=None, help="transfer: B's own maps (default: distil now)")
@@ -983,6 +993,7 @@ def main(argv=None) -> dict:
             stage1_lr=args.stage1_lr,
             block_size=args.block_size,
             stage2=not args.no_stage2,
+            stage2_lr=args.stage2_lr,
             baselines=args.baselines,
             train_teacher=args.train_teacher,
         )

@@ -661,3 +661,20 @@ __all__ = [
     "random_resized_crop",
     "vit_loss",
 ]
+
+
+def main(argv=None):
+    """``python -m train.vision [flags of python -m train]``: the ``vit`` task of the main CLI
+    (``python -m train --task vit ...``); default preset ``mini`` (CIFAR-10), e.g.
+    ``python -m train.vision --preset deit_tiny --attention laplacian --set
+    data.tfds_data_dir=/data/tfds``."""
+    import sys
+
+    from train.__main__ import main as train_main
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return train_main(["--task", "vit", *argv])
+
+
+if __name__ == "__main__":
+    main()
