@@ -147,9 +147,7 @@ if SMALL:
         head_dim=16,
     )
 else:
-    fid = bench.fidelity_sweep(
-        budgets=(8, 32, 128, 512), seeds=3, seq_len=256, heads=2, head_dim=32
-    )
+    fid = bench.fidelity_sweep(budgets=(8, 32, 128), seeds=2, seq_len=128, heads=1, head_dim=16)
 print(bench.fidelity_table(fid))
 bench.plot_fidelity(fid)
 plt.show()
@@ -159,11 +157,13 @@ plt.show()
 #
 # `flexformer_n` starts as the random-Fourier-feature estimator of the softmax kernel
 # `exp(q.k / sqrt d)`: frequencies `omega ~ N(0, I)` and the scale `tau = log(2 sqrt d)`. Here we
-# fit it to a softer target, softmax at inverse temperature `beta = 0.5`, i.e. the weights of
-# `exp(beta q.k / sqrt d)`. For that kernel the exact answer is known: frequencies
-# `N(0, beta I)` and `tau = log(2 sqrt(d) / beta)`. We minimise the squared error between the
-# two attention maps on fresh Gaussian queries and keys each step (Adam, clipped gradients),
-# and compare the spectrum (`flexformer.spectral_samples`) before and after.
+# fit it to a softer kernel, `exp(beta q.k / sqrt d)` with `beta = 0.5` (softmax attention at
+# temperature 2), whose exact spectral answer is known: frequencies `N(0, beta I)` and
+# `tau = log(2 sqrt(d) / beta)`. The loss compares the kernel estimate
+# `flexformer.kernel(q, k, params)` with the target kernel, row by row relative to the
+# target's row sums, on fresh Gaussian queries and keys each step (Adam, clipped gradients).
+# Fitting the kernel rather than the normalised attention avoids dividing by the estimate's
+# denominator, which trigonometric features can bring close to zero (see the fidelity table).
 
 # %%
 beta = 0.5
@@ -171,18 +171,18 @@ fit_t, num_features = (24, 32) if SMALL else (64, 64)
 steps = 10 if SMALL else 150
 mech = la.get("flexformer_n").bind(num_features=num_features)
 params0 = mech.init(jax.random.key(0), num_heads=1, head_dim=D)
-fit_eye = jnp.broadcast_to(jnp.eye(fit_t)[None, :, None, :], (1, fit_t, 1, fit_t))
 
 
 def fit_loss(params, key):
     kq, kk = jax.random.split(key)
-    qf = jax.random.normal(kq, (1, fit_t, 1, D))
-    kf = jax.random.normal(kk, (1, fit_t, 1, D))
-    target = la.get("softmax").attention(beta * qf, kf, fit_eye, {})
-    return jnp.sum((mech.attention(qf, kf, fit_eye, params) - target) ** 2) / fit_t
+    qf = jax.random.normal(kq, (4, fit_t, 1, D))
+    kf = jax.random.normal(kk, (4, fit_t, 1, D))
+    target = jnp.exp(beta * jnp.einsum("bihd,bjhd->bhij", qf, kf) / np.sqrt(D))
+    est = flexformer.kernel(qf, kf, params)  # [B, H, Tq, Tk]
+    return jnp.mean(jnp.sum((est - target) ** 2, -1) / jnp.sum(target, -1) ** 2)
 
 
-opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.02))
+opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.05))
 
 
 @jax.jit
@@ -194,9 +194,8 @@ def fit_step(params, opt_state, key):
 
 params, opt_state, losses = params0, opt.init(params0), []
 for step in range(steps):
-    params, opt_state, loss = fit_step(
-        params, opt_state, jax.random.fold_in(jax.random.key(3), step)
-    )
+    key = jax.random.fold_in(jax.random.key(3), step)
+    params, opt_state, loss = fit_step(params, opt_state, key)
     losses.append(float(loss))
 
 before = np.asarray(flexformer.spectral_samples(params0))  # [H, 2M, d]
@@ -214,10 +213,13 @@ fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
 axes[0].plot(losses)
 axes[0].set_yscale("log")
 axes[0].set_xlabel("step")
-axes[0].set_title("fit loss (squared error of the attention maps)")
+axes[0].set_title("fit loss (relative squared error of the kernel)")
 bins = np.linspace(-4, 4, 41)
 axes[1].hist(before.ravel(), bins=bins, alpha=0.6, density=True, label="init")
 axes[1].hist(after.ravel(), bins=bins, alpha=0.6, density=True, label="learned")
+xs = np.linspace(-4, 4, 200)
+exact_density = np.exp(-(xs**2) / (2 * beta)) / np.sqrt(2 * np.pi * beta)
+axes[1].plot(xs, exact_density, "k--", label="N(0, beta): exact for the target")
 axes[1].set_title("frequency entries omega (omega1 and omega2)")
 axes[1].legend()
 norms = np.linspace(0, 2.5 * np.sqrt(D), 41)

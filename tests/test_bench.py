@@ -24,6 +24,7 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.filterwarnings("error:No artists with labels:UserWarning")  # an empty plot fails
 def test_scaling_smoke_every_mechanism(tmp_path, capsys):
     # Forward only here (compiling every backward twice would double the cost); the backward
     # pass of every mechanism is compiled and timed by the model smoke test, and the fwd_bwd
@@ -118,6 +119,7 @@ def test_fidelity_smoke_every_mechanism(tmp_path, capsys):
                 assert r["mean"] == pytest.approx(sum(r["errors"]) / 2)
                 assert math.isfinite(r["std"]) and r["std"] >= 0
     assert png.stat().st_size > 10_000
+    assert bench.fidelity_table(result) in bench.report(fidelity=result)
 
 
 def test_model_smoke_every_mechanism(tmp_path, capsys):
@@ -139,6 +141,7 @@ def test_model_smoke_every_mechanism(tmp_path, capsys):
         assert _positive(p["ratio_time"]) and _positive(p["ratio_memory"])
         assert p["num_params"] > 0
     assert png.stat().st_size > 5_000
+    assert bench.model_table(result) in bench.report(model=result)
 
 
 def test_isolated_run_and_timeout(tmp_path, capsys):
@@ -238,10 +241,15 @@ def test_predicted_time_and_merge():
         "mechanisms": ["softmax"],
         "points": [_pt("softmax", 64, 1.0, 10, pass_="fwd")],
     }
+    # A measured point is kept; only a point without a time is filled by a later run.
+    a["points"].append(_pt("linear_elu", 128, None, 9, status="skipped"))
+    b["points"] += [_pt("softmax", 64, 7.0, 10), _pt("linear_elu", 128, 3.0, 9)]
     m = bench.merge_scaling([a, b])
+    assert [p["time_ms"] for p in m["points"] if p["mechanism"] == "softmax"] == [2.0, 1.0]
+    assert [p["time_ms"] for p in m["points"] if p["seq_len"] == 128] == [3.0]
     assert m["mechanisms"] == ["softmax", "linear_elu"]  # registry order
     assert m["config"]["passes"] == ["fwd_bwd", "fwd"]
-    (lin,) = [p for p in m["points"] if p["mechanism"] == "linear_elu"]
+    (lin,) = [p for p in m["points"] if p["mechanism"] == "linear_elu" and p["seq_len"] == 64]
     assert lin["ratio_time"] == 0.5 and lin["ratio_memory"] == 0.5
 
 
@@ -298,3 +306,25 @@ def test_kernels_subcommand_passes_flags_through(tmp_path, capsys):
     assert len(rows) == 5 and all("N=8 M=8 D=4" in r for r in rows[:2])
     assert json.loads(out.read_text())["table"] == table
     assert table in stdout
+
+
+def test_merge_model_replaces_points_and_recomputes_ratios():
+    def res(points):
+        return {"kind": "model", "environment": {}, "config": {}, "points": points}
+
+    first = res(
+        [
+            {"mechanism": "softmax", "status": "skipped", "memory": {"total": 100}},
+            {"mechanism": "linear_elu", "status": "ok", "time_ms": 5.0, "memory": {"total": 10}},
+        ]
+    )
+    rerun = res(
+        [
+            {"mechanism": "softmax", "status": "ok", "time_ms": 20.0, "memory": {"total": 80}},
+            {"mechanism": "linear_elu", "status": "ok", "time_ms": 9.0, "memory": {"total": 10}},
+        ]
+    )
+    m = bench.merge_model([first, rerun])
+    assert [p["mechanism"] for p in m["points"]] == ["softmax", "linear_elu"]
+    lin = m["points"][1]
+    assert lin["ratio_time"] == 0.25 and lin["ratio_memory"] == 10 / 80

@@ -533,6 +533,8 @@ def plot_scaling(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     pts = [p for p in result["points"] if "seq_len" in p]
+    pass_ = "fwd_bwd" if any(p["pass"] == "fwd_bwd" for p in pts) else "fwd"
+    label = "forward+backward" if pass_ == "fwd_bwd" else "forward"
     modes = [m for m in result["config"]["modes"] if any(p["mode"] == m for p in pts)]
     fig, axes = plt.subplots(2, len(modes), figsize=(6.5 * len(modes), 9), squeeze=False)
     cmap = plt.get_cmap("tab20")
@@ -544,7 +546,7 @@ def plot_scaling(result: dict, path: str) -> None:
                     (
                         p
                         for p in pts
-                        if p["mechanism"] == name and p["mode"] == mode and p["pass"] == "fwd_bwd"
+                        if p["mechanism"] == name and p["mode"] == mode and p["pass"] == pass_
                     ),
                     key=lambda p: p["seq_len"],
                 )
@@ -554,15 +556,16 @@ def plot_scaling(result: dict, path: str) -> None:
                     xy = [(p["seq_len"], p["memory"]["total"] / _MIB) for p in rows if _mem(p)]
                 if not xy:
                     continue
-                style = "--" if name.startswith("softmax") or is_quadratic(name) else "-"
-                ax.plot(*zip(*xy), style, marker="o", ms=3, color=cmap(c % 20), label=name)
+                # The JSON says which are quadratic (its mechanisms may not be registered here).
+                style = "--" if any(p.get("quadratic") for p in rows) else "-"
+                ax.plot(*zip(*xy), style, marker="o", ms=3, color=_color(cmap, c), label=name)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("sequence length T")
-            ax.set_ylabel("fwd+bwd time (ms)" if what == "time" else "XLA memory (MiB)")
-            ax.set_title(f"{mode}: forward+backward {what}")
+            ax.set_ylabel(f"{label} time (ms)" if what == "time" else "XLA memory (MiB)")
+            ax.set_title(f"{mode}: {label} {what}")
             ax.grid(True, which="both", alpha=0.3)
-    axes[0, -1].legend(fontsize=7, ncol=2)
+    axes[0, 0].legend(fontsize=7, ncol=2)  # the non-causal panel has every mechanism
     env = result.get("environment", {})
     fig.suptitle(
         f"B={result['config']['batch']}, H={result['config']['heads']}, "
@@ -572,6 +575,11 @@ def plot_scaling(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _color(cmap, i: int):
+    """tab20: the ten saturated hues first, then their light twins."""
+    return cmap((2 * i) % 20 + (i // 10) % 2)
 
 
 def _mem(p):
@@ -725,10 +733,9 @@ def fidelity_sweep(
     }
 
 
-def _series_label(row: dict) -> str:
-    if row["budget_key"] is None:
-        return row["mechanism"]
-    multi = len(budget_keys(row["mechanism"])) > 1
+def _series_label(row: dict, rows: list[dict]) -> str:
+    keys = {r["budget_key"] for r in rows if r["mechanism"] == row["mechanism"]}
+    multi = len(keys) > 1
     return f"{row['mechanism']} ({row['budget_key']})" if multi else row["mechanism"]
 
 
@@ -786,9 +793,9 @@ def plot_fidelity(result: dict, path: str | None = None, axes=None):
         series = dict.fromkeys((r["mechanism"], r["budget_key"]) for r in rows)
         for c, (name, key) in enumerate(series):
             these = [r for r in rows if r["mechanism"] == name and r["budget_key"] == key]
-            label = _series_label(these[0])
+            label = _series_label(these[0], rows)
             if key is None:
-                ax.axhline(these[0]["mean"], ls=":", color=cmap(c % 20), label=label)
+                ax.axhline(these[0]["mean"], ls=":", color=_color(cmap, c), label=label)
                 continue
             these.sort(key=lambda r: r["budget"])
             ax.errorbar(
@@ -798,7 +805,7 @@ def plot_fidelity(result: dict, path: str | None = None, axes=None):
                 marker="o",
                 ms=3,
                 capsize=2,
-                color=cmap(c % 20),
+                color=_color(cmap, c),
                 label=label,
             )
         ax.set_xscale("log", base=2)
@@ -966,6 +973,17 @@ def run_model(
             shown = f"{new[-1]['time_ms']:.0f} ms" if new and new[-1].get("time_ms") else new[-1]
             log(f"model: {name}: {shown}")
         points += new
+    return {
+        "kind": "model",
+        "environment": environment(),
+        "config": {"task": "LRA Retrieval shape (dual encoder, AdamW step)", **kwargs},
+        "mechanisms": names,
+        "points": _model_ratios(points),
+    }
+
+
+def _model_ratios(points: list[dict]) -> list[dict]:
+    """Adds ``ratio_time`` / ``ratio_memory`` to softmax (where softmax has the figure)."""
     ref = next((p for p in points if p["mechanism"] == SOFTMAX and p.get("time_ms")), None)
     ref_mem = next((_mem(p) for p in points if p["mechanism"] == SOFTMAX and _mem(p)), None)
     for p in points:
@@ -973,12 +991,27 @@ def run_model(
             p["ratio_time"] = p["time_ms"] / ref["time_ms"]
         if ref_mem and _mem(p):
             p["ratio_memory"] = _mem(p) / ref_mem
+    return points
+
+
+def merge_model(results: Sequence[dict]) -> dict:
+    """One model result from several runs of the same config (e.g. softmax rerun alone under a
+    larger memory budget): one point per mechanism, a later run's point replacing an earlier
+    one only where that has no time (skipped, error); ratios recomputed."""
+    if len(results) == 1:
+        return results[0]
+    by_name: dict = {}
+    for r in results:
+        for p in r["points"]:
+            if by_name.get(p["mechanism"], {}).get("time_ms"):
+                continue
+            by_name[p["mechanism"]] = {k: v for k, v in p.items() if not k.startswith("ratio_")}
+    names = sorted(by_name, key=_registry_order)
     return {
-        "kind": "model",
-        "environment": environment(),
-        "config": {"task": "LRA Retrieval shape (dual encoder, AdamW step)", **kwargs},
+        **results[0],
+        "environments": [r["environment"] for r in results],
         "mechanisms": names,
-        "points": points,
+        "points": _model_ratios([by_name[n] for n in names]),
     }
 
 
@@ -1088,8 +1121,10 @@ def growth_per_doubling(points: list[dict], name: str, mode: str, pass_: str = "
 
 def merge_scaling(results: Sequence[dict]) -> dict:
     """One scaling result from several runs (e.g. a forward-only run at fewer T beside the
-    forward+backward run): points concatenated, later runs winning on the same point, ratios
-    recomputed. Ratios then compare points of different runs only where a run lacks softmax."""
+    forward+backward run, or softmax rerun at the T it was skipped at): points concatenated;
+    a later run's point replaces an earlier one only where the earlier has no time (skipped,
+    error), so measured points keep their same-run ratios. Ratios are recomputed; they compare
+    points of different runs only where a gap was filled."""
     if len(results) == 1:
         return results[0]
     index: dict = {}
@@ -1104,6 +1139,8 @@ def merge_scaling(results: Sequence[dict]) -> dict:
             )
             if "seq_len" in p:
                 key = key[:4]
+            if key in index and index[key].get("time_ms"):
+                continue
             index[key] = {k: v for k, v in p.items() if not k.startswith("ratio_")}
     config = dict(results[0]["config"])
     for field in ("modes", "passes", "seq_lens"):
@@ -1148,6 +1185,8 @@ def report(scaling=None, fidelity=None, model=None, *, at_seq_len: int | None = 
     out = []
     if isinstance(scaling, (list, tuple)):
         scaling = merge_scaling(scaling)
+    if isinstance(model, (list, tuple)):
+        model = merge_model(model)
     if scaling:
         out.append(_scaling_summary(scaling, at_seq_len))
         out.append("\n### All scaling points\n")
@@ -1345,7 +1384,7 @@ def main(argv: Sequence[str] | None = None) -> dict | str:
     r = sub.add_parser("report", help="markdown summary from the JSON results")
     r.add_argument("--scaling", nargs="+", default=None, help="one or more scaling JSONs")
     r.add_argument("--fidelity", default=None)
-    r.add_argument("--model", default=None)
+    r.add_argument("--model", nargs="+", default=None, help="one or more model JSONs")
     r.add_argument("--at-seq-len", type=int, default=None)
 
     if argv and argv[0] == "kernels":
@@ -1375,7 +1414,7 @@ def main(argv: Sequence[str] | None = None) -> dict | str:
                 for path in paths:
                     with open(path) as fh:
                         results.append(json.load(fh))
-                loaded[key] = results if key == "scaling" else results[0]
+                loaded[key] = results[0] if key == "fidelity" else results
         text = report(**loaded, at_seq_len=args.at_seq_len)
         print(text)
         return text
