@@ -113,7 +113,7 @@ def test_vit_cifar10_and_grid_config(tmp_path):
 
 def test_missing_imagenet(tmp_path):
     c = _config(tmp_path, "imagenet2012", "softmax")
-    with pytest.raises(DatasetNotFoundError, match="imagenet2012"):
+    with pytest.raises(DatasetNotFoundError, match="manual_dir MANUAL_DIR"):
         vision.build_image_task(c.data.to_dict())
 
 

@@ -43,6 +43,7 @@ import numpy as np
 import linattn_jax as la
 
 from .data import _config
+from .data.errors import DatasetNotFoundError
 from .data.tfds_tasks import open_source
 from .lm import Block, _dense, _layer_norm
 
@@ -514,8 +515,20 @@ def build_image_task(cfg: Mapping[str, Any]) -> ImageTask:
     data_dir = tfds_data_dir(cfg)
     if name == "imagenet2012":
         size = int(cfg.get("image_size") or 224)
-        train = open_source(name, "train", data_dir)
-        val = open_source(name, "validation", data_dir)
+        try:
+            train = open_source(name, "train", data_dir)
+            val = open_source(name, "validation", data_dir)
+        except DatasetNotFoundError as e:
+            raise DatasetNotFoundError(
+                e.dataset,
+                e.looked_in,
+                "  ImageNet needs a manual download (https://image-net.org, ILSVRC2012):\n"
+                "    put ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar in MANUAL_DIR,\n"
+                f"    tfds build imagenet2012 --manual_dir MANUAL_DIR --data_dir {data_dir} "
+                "--file_format array_record\n"
+                "  (building needs TensorFlow; training reads the array_record files without it),\n"
+                "  or point config data.tfds_data_dir at a folder that holds imagenet2012/.",
+            ) from e
         splits = {"train": train, "val": val, "test": val}
         num_classes, augment = 1000, cfg.get("augment") or "inception"
     elif name == "cifar10":
