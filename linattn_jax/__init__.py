@@ -21,7 +21,7 @@ from linattn_jax import hedgehog  # noqa: F401
 from linattn_jax import flexformer  # noqa: F401  (flexformer_s, flexformer_n)
 
 from linattn_jax import nystrom  # noqa: F401  (nystromformer, soft, laplacian)
-# from linattn_jax import randomized  # noqa: F401  (ra, lara)
+from linattn_jax import randomized  # noqa: F401  (ra, lara)
 # isort: on
 from linattn_jax import linen, nn  # noqa: E402
 
