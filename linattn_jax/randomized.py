@@ -17,10 +17,10 @@ T query-specific proposals by C shared Gaussians centred on landmarks and
 combines them by self-normalised multiple importance sampling (MIS).
 
 Random draws and padding. Draws are indexed by position, not by array size:
-RA's draws for query n come from ``fold_in(key, n)`` and the sampled key is
-found by inverse-CDF search of ``pi_n`` (one uniform per query, not a Gumbel
-array over the keys); LARA's noise for proposal c comes from
-``fold_in(key, c)``. So padding a sequence (masked keys, and extra queries or
+RA's draws for query n (its eps and one uniform) come from ``fold_in(key, n)``
+and the sampled key is found by inverse-CDF search of ``pi_n`` (one uniform per
+query, not a Gumbel array over the keys); LARA's noise for proposal c comes
+from ``fold_in(key, c)``. So padding a sequence (masked keys, and extra queries or
 landmark slots at the end) does not change the draws of the real positions,
 and a padded call reproduces the unpadded one with the same rng. (Inverse-CDF
 and Gumbel-max sample the same categorical; the CDF form needs one uniform per
@@ -264,7 +264,8 @@ def lara_init(rng, *, num_heads: int, head_dim: int, proposal: str = "mean"):
     ``proj_s_w [H, d, d]`` (init identity), ``proj_s_b [H, d]`` (0),
     ``ln_s_scale [H, d]`` (1), ``ln_s_bias [H, d]`` (0): the per-token proposal
     network ``LayerNorm(x^ W + b)`` applied to q^ (resp. k^) before the landmark
-    means. The init is deterministic (`rng` unused).
+    means. The init is deterministic (`rng` unused). Note that even at init the
+    learned proposal differs from ``"mean"``: LayerNorm standardises each token.
     """
     del rng
     _checks.check_choice("lara", "proposal", proposal, _PROPOSALS)

@@ -7,8 +7,10 @@ call covers several "seeds".
 Speed on CPU: everything but the explicit eager-vs-jit checks is jitted, through a
 cache shared by tests with equal shapes and config; and where the key type is not
 what is being tested, keys are ``impl="rbg"`` (the mechanisms accept any key;
-threefry's unrolled hash costs ~1 s of XLA compile per draw site, rbg a fraction).
-The rng-semantics, padding and vmap tests use the default threefry keys.
+threefry's unrolled hash costs ~1 s of XLA compile per draw site on this CPU, rbg
+a fraction; but rbg keys are not vmap-invariant, so the test that compares vmapped
+single draws with `num_samples` uses threefry). `test_deterministic_mode_and_rng`
+also uses the default threefry keys, as do the shared tests (tests/test_mechanisms.py).
 """
 
 from __future__ import annotations
@@ -125,8 +127,8 @@ def test_registered():
     assert not LARA.supports_causal and LARA.stochastic
     assert RA.defaults == {"num_samples": 1}
     assert LARA.defaults["num_landmarks"] == 64 and LARA.defaults["mis"] == "opt"
-    assert LARA.init(jax.random.key(0), num_heads=H, head_dim=D) == {}
-    learned = LARA.init(jax.random.key(0), num_heads=H, head_dim=D, proposal="learned")
+    assert LARA.init(_key(0), num_heads=H, head_dim=D) == {}
+    learned = LARA.init(_key(0), num_heads=H, head_dim=D, proposal="learned")
     assert learned["proj_q_w"].shape == (H, D, D) and learned["ln_k_bias"].shape == (H, D)
     np.testing.assert_array_equal(learned["proj_k_w"][1], np.eye(D))
 
@@ -161,7 +163,7 @@ def test_ra_matches_reference(causal, masked, num_samples, deterministic):
 
 def test_ra_num_samples_averages_independent_draws():
     q, k, v = _qkv(2)
-    rng = jax.random.key(5)
+    rng = jax.random.key(5)  # threefry: split keys draw the same under vmap and scan
     many = _call(RA.attention, q, k, v, rng=rng, num_samples=4)
     singles = jax.jit(jax.vmap(lambda r: RA.attention(q, k, v, {}, r)))(jax.random.split(rng, 4))
     _close(many, jnp.mean(singles, axis=0), 2e-6)
@@ -252,9 +254,7 @@ def test_lara_matches_reference(cfg):
     tq, tk = cfg.pop("tq", 12), cfg.pop("tk", 12)
     q, k, v = _qkv(0, tq=tq, tk=tk)
     mask = _lengths_mask([tk, 7], tk) if masked else None
-    params = LARA.init(
-        jax.random.key(0), num_heads=H, head_dim=D, proposal=cfg.get("proposal", "mean")
-    )
+    params = LARA.init(_key(0), num_heads=H, head_dim=D, proposal=cfg.get("proposal", "mean"))
     # Move the learned proposal off its init so every param matters.
     params = jax.tree_util.tree_map(lambda p: p + 0.3 * _normal(7, *p.shape), params)
     rng = None if deterministic else _key(3)
@@ -368,11 +368,11 @@ def test_deterministic_mode_and_rng(mech):
 )
 def test_padding_changes_nothing(mech, cfg):
     """A padded batch (garbage in the padding) gives the unpadded run on real positions."""
-    rng = None if cfg.get("deterministic") else jax.random.key(4)
+    rng = None if cfg.get("deterministic") else _key(4)
     q, k, v = _qkv(5, b=2, tq=10, tk=10)
     params = {}
     if cfg.get("proposal") == "learned":
-        params = LARA.init(jax.random.key(0), num_heads=H, head_dim=D, proposal="learned")
+        params = LARA.init(_key(0), num_heads=H, head_dim=D, proposal="learned")
     base = _call(mech.attention, q, k, v, params, rng, **cfg)
     qp, kp, vp = (jnp.concatenate([x, 50.0 * jnp.ones_like(x[:, :4])], axis=1) for x in (q, k, v))
     out = _call(mech.attention, qp, kp, vp, params, rng, mask=_lengths_mask([10, 10], 14), **cfg)
@@ -419,10 +419,10 @@ def test_fully_masked_rows_are_zero(mech):
 def test_jit_vmap_grad_checkpoint(mech, cfg):
     params = {}
     if cfg.get("proposal") == "learned":
-        params = LARA.init(jax.random.key(0), num_heads=H, head_dim=D, proposal="learned")
+        params = LARA.init(_key(0), num_heads=H, head_dim=D, proposal="learned")
     q, k, v = _qkv(8)
     mask = _lengths_mask([12, 8], 12)
-    rng = jax.random.key(9)
+    rng = _key(9)
 
     def fn(q, k, v, p, r, mask=None):
         return mech.attention(q, k, v, p, r, mask=mask, **cfg)
@@ -470,7 +470,7 @@ def test_bf16_and_large_norms(mech):
 def test_lara_causal_not_implemented():
     q, k, v = _qkv(0)
     with pytest.raises(NotImplementedError, match="lara"):
-        LARA.attention(q, k, v, {}, jax.random.key(0), causal=True)
+        LARA.attention(q, k, v, {}, _key(0), causal=True)
 
 
 @pytest.mark.parametrize(
@@ -491,18 +491,18 @@ def test_lara_causal_not_implemented():
 def test_bad_config_raises(mech, cfg, match):
     q, k, v = _qkv(0)
     with pytest.raises(ValueError, match=match):
-        mech.attention(q, k, v, {}, jax.random.key(0), **cfg)
+        mech.attention(q, k, v, {}, _key(0), **cfg)
     with pytest.raises(ValueError, match=match):  # also at trace time under jit
-        jax.jit(lambda q: mech.attention(q, k, v, {}, jax.random.key(0), **cfg))(q)
+        jax.jit(lambda q: mech.attention(q, k, v, {}, _key(0), **cfg))(q)
 
 
 def test_bad_inputs_raise():
     q, k, v = _qkv(0)
     with pytest.raises(ValueError, match="q must have rank 4"):
-        RA.attention(q[0], k, v, {}, jax.random.key(0))
+        RA.attention(q[0], k, v, {}, _key(0))
     with pytest.raises(ValueError, match="causal=True needs Tq == Tk"):
-        RA.attention(q[:, :5], k, v, {}, jax.random.key(0), causal=True)
+        RA.attention(q[:, :5], k, v, {}, _key(0), causal=True)
     with pytest.raises(ValueError, match="mask"):
-        LARA.attention(q, k, v, {}, jax.random.key(0), mask=jnp.ones((2, 5), bool))
+        LARA.attention(q, k, v, {}, _key(0), mask=jnp.ones((2, 5), bool))
     with pytest.raises(ValueError, match="proposal"):
-        LARA.init(jax.random.key(0), num_heads=H, head_dim=D, proposal="x")
+        LARA.init(_key(0), num_heads=H, head_dim=D, proposal="x")
