@@ -463,8 +463,10 @@ def lara_attention(
     ``g_c / sum_c' g_c'`` per draw and the common 1/S cancels in the
     self-normalisation: each draw is a term with its own alpha. Because ``sum_c
     alpha_nc = 1`` (before the clamp) the estimate converges to softmax attention as
-    S grows. Invalid landmark slots (fewer unmasked tokens than C) have log weight
-    -inf. Non-causal only.
+    S grows (where the clamp binds, i.e. a negative ``opt`` weight, it adds a small
+    bias; ``bh`` weights are positive). Invalid landmark slots (fewer unmasked tokens
+    than C) have log weight -inf. Non-causal only. Cost: with N = C S terms,
+    O(N (Tq + Tk) d) plus O(N C d) for the proposal densities; no Tq x Tk array.
 
     Args:
       q: ``[B, Tq, H, Dk]``; k: ``[B, Tk, H, Dk]``; v: ``[B, Tk, H, Dv]``.
