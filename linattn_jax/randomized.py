@@ -351,11 +351,8 @@ def _lara_proposals(q, k, params, mask, num_landmarks, proposal, grid):
         pq, pk = qh, kh
     m = num_landmarks if grid is not None else min(num_landmarks, tq, tk)
     q_mask = mask if (mask is not None and tq == tk) else None
-    # landmarks.assignment broadcasts [B, T, 1] against [L]; allow that locally so it also
-    # runs under jax_numpy_rank_promotion="raise".
-    with jax.numpy_rank_promotion("allow"):
-        wq, lq = landmarks.assignment(tq, m, mask=q_mask, batch=b, grid=grid)
-        wk, lk = landmarks.assignment(tk, m, mask=mask, batch=b, grid=grid)
+    wq, lq = landmarks.assignment(tq, m, mask=q_mask, batch=b, grid=grid)
+    wk, lk = landmarks.assignment(tk, m, mask=mask, batch=b, grid=grid)
     q_bar = landmarks.segment_means(pq, wq)
     mu = q_bar + landmarks.segment_means(pk, wk)
     q_valid = core.key_mask(q_mask, tq, b)
