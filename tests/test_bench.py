@@ -24,8 +24,19 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+# The smoke runs are split into two halves of the registry (softmax in both, as the ratios'
+# reference) so that pytest-xdist can spread them over its workers; together they cover every
+# registered mechanism.
+PARTS = (0, 1)
+
+
+def _part(part: int) -> list[str]:
+    return ["softmax"] + [n for n in la.names() if n != "softmax"][part :: len(PARTS)]
+
+
 @pytest.mark.filterwarnings("error:No artists with labels:UserWarning")  # an empty plot fails
-def test_scaling_smoke_every_mechanism(tmp_path, capsys):
+@pytest.mark.parametrize("part", PARTS)
+def test_scaling_smoke_every_mechanism(tmp_path, capsys, part):
     # Forward only here (compiling every backward twice would double the cost); the backward
     # pass of every mechanism is compiled and timed by the model smoke test, and the fwd_bwd
     # scaling path by test_scaling_modes_passes_and_report.
@@ -51,9 +62,12 @@ def test_scaling_smoke_every_mechanism(tmp_path, capsys):
             str(out),
             "--plot",
             str(png),
+            "--mechanisms",
+            *_part(part),
+            bench.SOFTMAX_XLA,
         ],
     )
-    names = la.names() + [bench.SOFTMAX_XLA]
+    names = _part(part) + [bench.SOFTMAX_XLA]
     assert result["mechanisms"] == names
     saved = json.loads(out.read_text())
     assert saved["mechanisms"] == names
@@ -96,16 +110,18 @@ def test_scaling_modes_passes_and_report(tmp_path, capsys):
     assert "->64:" in text
 
 
-def test_fidelity_smoke_every_mechanism(tmp_path, capsys):
+@pytest.mark.parametrize("part", PARTS)
+def test_fidelity_smoke_every_mechanism(tmp_path, capsys, part):
     out, png = tmp_path / "fid.json", tmp_path / "fid.png"
     budgets = [4, 8]
     _, stdout = _run(
         capsys,
         ["fidelity", "--budgets", *map(str, budgets), "--seeds", "2", "--seq-len", "32"]
-        + ["--heads", "1", "--head-dim", "8", "--quiet", "--out", str(out), "--plot", str(png)],
+        + ["--heads", "1", "--head-dim", "8", "--quiet", "--out", str(out), "--plot", str(png)]
+        + ["--mechanisms", *_part(part)],
     )
     result = json.loads(out.read_text())
-    names = [n for n in la.names() if n != "softmax"]
+    names = _part(part)[1:]  # softmax is the reference, not a row
     assert result["mechanisms"] == names
     for name in names:
         assert f"| {name} |" in stdout
@@ -122,17 +138,18 @@ def test_fidelity_smoke_every_mechanism(tmp_path, capsys):
     assert bench.fidelity_table(result) in bench.report(fidelity=result)
 
 
-def test_model_smoke_every_mechanism(tmp_path, capsys):
+@pytest.mark.parametrize("part", PARTS)
+def test_model_smoke_every_mechanism(tmp_path, capsys, part):
     out = tmp_path / "model.json"
     png = tmp_path / "model.png"
     _, stdout = _run(
         capsys,
         ["model", "--seq-len", "32", "--batch", "2", "--dim", "16", "--heads", "2", "--mlp", "16"]
         + ["--layers", "1", "--repeats", "1", "--min-total-s", "10", "--no-isolate", "--quiet"]
-        + ["--out", str(out), "--plot", str(png)],
+        + ["--out", str(out), "--plot", str(png), "--mechanisms", *_part(part)],
     )
     result = json.loads(out.read_text())
-    assert [p["mechanism"] for p in result["points"]] == la.names()
+    assert [p["mechanism"] for p in result["points"]] == _part(part)
     for p in result["points"]:
         assert f"| {p['mechanism']} |" in stdout
         assert p["status"] == "ok", p
@@ -251,6 +268,10 @@ def test_predicted_time_and_merge():
     assert m["config"]["passes"] == ["fwd_bwd", "fwd"]
     (lin,) = [p for p in m["points"] if p["mechanism"] == "linear_elu" and p["seq_len"] == 64]
     assert lin["ratio_time"] == 0.5 and lin["ratio_memory"] == 0.5
+
+
+def test_parts_cover_the_registry():
+    assert sorted({n for part in PARTS for n in _part(part)}) == sorted(la.names())
 
 
 def test_relative_error_and_inputs():

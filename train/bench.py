@@ -312,8 +312,8 @@ def scaling_points(
                     elif total is not None and total > cfg.memory_budget_gib * _GIB:
                         point.update(
                             status="skipped",
-                            note=f"memory {total / _GIB:.1f} GiB > budget "
-                            f"{cfg.memory_budget_gib:.1f} GiB",
+                            note=f"memory {total / _GIB:.2f} GiB > budget "
+                            f"{cfg.memory_budget_gib:.2f} GiB",
                         )
                     elif predicted is not None and predicted > cfg.time_limit_s:
                         point.update(
@@ -938,7 +938,7 @@ def model_point(
     if memory_budget_gib and total and total > memory_budget_gib * _GIB:
         point.update(
             status="skipped",
-            note=f"memory {total / _GIB:.1f} GiB > budget {memory_budget_gib:.1f} GiB",
+            note=f"memory {total / _GIB:.2f} GiB > budget {memory_budget_gib:.2f} GiB",
         )
         return point
     point.update(time_compiled(compiled, args, repeats=repeats, min_total_s=min_total_s))
@@ -1059,7 +1059,7 @@ def plot_model(result: dict, path: str) -> None:
     ax.set_ylabel("ratio to softmax")
     c = result["config"]
     ax.set_title(f"training step, dual encoder T={c.get('seq_len')}, B={c.get('batch')}")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -1179,16 +1179,24 @@ def fitted_exponent(points: list[dict], name: str, mode: str, pass_: str = "fwd_
     return float(np.polyfit(x, y, 1)[0])
 
 
-def report(scaling=None, fidelity=None, model=None, *, at_seq_len: int | None = None) -> str:
-    """The markdown summary of the JSON results (any may be None; `scaling` may be a list of
-    results, merged with `merge_scaling`)."""
+def report(
+    scaling=None,
+    fidelity=None,
+    model=None,
+    *,
+    at_seq_len: int | None = None,
+    growth_from: int | None = None,
+) -> str:
+    """The markdown summary of the JSON results (any may be None; `scaling` and `model` may be
+    lists of results, merged with `merge_scaling` / `merge_model`). Growth per doubling and the
+    fitted exponent use the points with ``T >= growth_from`` (all by default)."""
     out = []
     if isinstance(scaling, (list, tuple)):
         scaling = merge_scaling(scaling)
     if isinstance(model, (list, tuple)):
         model = merge_model(model)
     if scaling:
-        out.append(_scaling_summary(scaling, at_seq_len))
+        out.append(_scaling_summary(scaling, at_seq_len, growth_from or 0))
         out.append("\n### All scaling points\n")
         out.append(scaling_table(scaling))
     if fidelity:
@@ -1200,8 +1208,9 @@ def report(scaling=None, fidelity=None, model=None, *, at_seq_len: int | None = 
     return "\n".join(out).strip() + "\n"
 
 
-def _scaling_summary(scaling: dict, at_seq_len: int | None) -> str:
+def _scaling_summary(scaling: dict, at_seq_len: int | None, growth_from: int) -> str:
     pts = [p for p in scaling["points"] if "seq_len" in p]
+    grown = [p for p in pts if p["seq_len"] >= growth_from]
     main_pass = "fwd_bwd" if any(p["pass"] == "fwd_bwd" for p in pts) else "fwd"
     label = "fwd+bwd" if main_pass == "fwd_bwd" else "fwd"
     linear_times = [
@@ -1213,7 +1222,8 @@ def _scaling_summary(scaling: dict, at_seq_len: int | None) -> str:
     env, c = scaling["environment"], scaling["config"]
     out = [
         f"### Scaling: B={c['batch']}, H={c['heads']}, d={c['head_dim']}, backend "
-        f"{env['backend']} ({env['cpu_count']} cores, load average at start {_load(env)})\n"
+        f"{env['backend']} ({env['cpu_count']} cores; 1-min load average when the run ended: "
+        f"{_load(env)})\n"
     ]
     for mode in c["modes"]:
         if not any(p["mode"] == mode for p in pts):
@@ -1232,10 +1242,10 @@ def _scaling_summary(scaling: dict, at_seq_len: int | None) -> str:
             pf = _at(pts, name, at, mode, "fwd") if main_pass != "fwd" else None
             growth = ", ".join(
                 f"->{t // 1024}k: {f:.2f}x" if t >= 1024 else f"->{t}: {f:.2f}x"
-                for t, f in growth_per_doubling(pts, name, mode, main_pass)
+                for t, f in growth_per_doubling(grown, name, mode, main_pass)
             )
             time_cell = _fmt_ms(p["time_ms"]) if p.get("time_ms") else f"{p['status']}"
-            b = fitted_exponent(pts, name, mode, main_pass)
+            b = fitted_exponent(grown, name, mode, main_pass)
             fit = "-" if b is None else f"{b:.2f} ({2**b:.2f}x)"
             cross = "-" if name == SOFTMAX else crossing(pts, name, mode, main_pass)
             out.append(
@@ -1276,7 +1286,7 @@ def _write_json(result: dict, path: str | None) -> None:
             json.dump(result, fh, indent=1)
 
 
-def _common(p: argparse.ArgumentParser, isolate_default: bool = True) -> None:
+def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mechanisms", nargs="+", default=None, help="default: every registered one")
     p.add_argument("--out", default=None, help="JSON results path")
     p.add_argument("--plot", default=None, help="PNG plot path")
@@ -1365,7 +1375,9 @@ def main(argv: Sequence[str] | None = None) -> dict | str:
     f.add_argument("--inputs", nargs="+", default=["gaussian", "clustered"])
     f.add_argument("--max-quadratic-budget", type=int, default=256)
 
-    k = sub.add_parser("kernels", help="Pallas kernels vs XLA (kernels.bench; flags pass through)")
+    k = sub.add_parser(
+        "kernels", help="Pallas kernels vs XLA: every other flag goes to python -m kernels.bench"
+    )
     k.add_argument("--out", default=None)
 
     m = sub.add_parser("model", help="LRA-Retrieval-shaped training step per mechanism")
@@ -1385,7 +1397,8 @@ def main(argv: Sequence[str] | None = None) -> dict | str:
     r.add_argument("--scaling", nargs="+", default=None, help="one or more scaling JSONs")
     r.add_argument("--fidelity", default=None)
     r.add_argument("--model", nargs="+", default=None, help="one or more model JSONs")
-    r.add_argument("--at-seq-len", type=int, default=None)
+    r.add_argument("--at-seq-len", type=int, default=None, help="T of the summary tables")
+    r.add_argument("--growth-from", type=int, default=None, help="growth uses T >= this")
 
     if argv and argv[0] == "kernels":
         args, rest = parser.parse_known_args(argv)
@@ -1415,7 +1428,7 @@ def main(argv: Sequence[str] | None = None) -> dict | str:
                     with open(path) as fh:
                         results.append(json.load(fh))
                 loaded[key] = results[0] if key == "fidelity" else results
-        text = report(**loaded, at_seq_len=args.at_seq_len)
+        text = report(**loaded, at_seq_len=args.at_seq_len, growth_from=args.growth_from)
         print(text)
         return text
 
