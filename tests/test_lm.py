@@ -170,13 +170,14 @@ def test_wikitext_folder_and_missing_data(tmp_path):
     assert sum(len(v) for v in stdlib.splits.values()) == 50_000
 
 
-@pytest.mark.skip(
-    reason="quarantined: this run aborts the process (SIGABRT, no message) inside the jitted "
-    "train step in about half the runs on the 2-core CPU machine; the cause is not found yet "
-    "(see the issue 9 note). Run it by hand by removing this mark."
-)
 def test_perplexity_decreases_on_a_small_corpus(tmp_path):
-    """A short run on the stdlib's LICENSE.txt (~14 KB) with a linear mechanism."""
+    """A short run on the stdlib's LICENSE.txt (~14 KB) with a linear mechanism.
+
+    On one device: 120 steps over 8 fake CPU devices on a loaded 2-core machine let XLA's
+    in-process all-reduce rendezvous exceed its stuck-termination timeout (it aborts the
+    process: ``AwaitAndLogIfStuck`` in ``InProcessCommunicator::AllReduce``, seen in gdb).
+    Sharded steps are covered by tests/test_vision.py.
+    """
     from train import configs, loop
 
     config = configs.get_config("lm", "mini")
@@ -185,7 +186,7 @@ def test_perplexity_decreases_on_a_small_corpus(tmp_path):
     config.data.update(path=str(_license()), seq_len=64, val_fraction=0.1)
     config.model.update(num_layers=1, emb_dim=32, num_heads=2, qkv_dim=32, mlp_dim=64)
     config.update(batch_size=16, num_train_steps=120, learning_rate=3e-3, warmup_steps=10)
-    trainer = loop.Trainer(config)
+    trainer = loop.Trainer(config, devices=jax.devices()[:1])
     state = trainer.init_state()
     data = trainer.data
 

@@ -418,16 +418,17 @@ def distill_attention(
     tx = optax.adam(schedule)
     opt_state = tx.init(trainable)
 
-    def loss_of(params, teacher_vars, inputs):
-        # the teacher's q, k are captured inside the same jit: paths and flags are static
+    def loss_of(params, fixed, teacher_vars, inputs):
+        # the teacher's q, k are captured inside the same jit: paths and flags are static;
+        # arrays are arguments, never closed over (see `train.lm.init_cache`)
         calls = capture_attention(teacher, teacher_vars, *inputs, deterministic=True)
         merged = {p: {**fixed.get(p, {}), **params.get(p, {})} for p in {c.path for c in calls}}
         return matching_loss(calls, merged, student_name, block_size=block_size)
 
     @jax.jit
-    def step(params, opt_state, teacher_vars, inputs):
+    def step(params, opt_state, fixed, teacher_vars, inputs):
         grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-        (loss, _), grads = grad_fn(params, teacher_vars, inputs)
+        (loss, _), grads = grad_fn(params, fixed, teacher_vars, inputs)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -442,7 +443,7 @@ def distill_attention(
     def eval_loss(params):
         losses, layers = [], []
         for inputs in eval_inputs:
-            loss, per = evaluate(params, teacher_variables, inputs)
+            loss, per = evaluate(params, fixed, teacher_variables, inputs)
             losses.append(float(loss))
             layers.append([float(x) for x in per])
         return float(np.mean(losses)), np.mean(np.asarray(layers), axis=0).tolist()
@@ -452,7 +453,7 @@ def distill_attention(
     params = trainable
     for i in range(num_steps):
         inputs = first if (i == 0 and first is not None) else tuple(next(it))
-        params, opt_state, loss = step(params, opt_state, teacher_variables, inputs)
+        params, opt_state, loss = step(params, opt_state, fixed, teacher_variables, inputs)
         if log_every and ((i + 1) % log_every == 0 or i + 1 == num_steps):
             history.append((i + 1, float(loss)))
             if progress is not None:
@@ -826,11 +827,12 @@ def kernel_transfer(
     t_vars = variables_of(t_state)
 
     @jax.jit
-    def kl(maps, inputs):
+    def kl(maps, fixed, t_vars, inputs):
         calls = capture_attention(t_trainer.model, t_vars, *inputs, deterministic=True)
-        fixed = mechanism_params(variables_of(base))
         merged = {p: {**fixed[p], **maps[p]} for p in maps}
         return matching_loss(calls, merged, student, block_size=block_size)[0]
+
+    fixed = mechanism_params(variables_of(base))
 
     metric = str(config.get("best_metric", "accuracy"))
     summary: dict[str, Any] = {
@@ -844,7 +846,7 @@ def kernel_transfer(
         maps = jax.tree.map(jnp.asarray, maps)
         state = with_distilled(base, s_trainer, maps)
         row = {
-            "attention_kl": float(np.mean([float(kl(maps, x)) for x in ev])),
+            "attention_kl": float(np.mean([float(kl(maps, fixed, t_vars, x)) for x in ev])),
             "val": s_trainer.evaluate(state, "val"),
         }
         if finetune:

@@ -139,7 +139,10 @@ class TextData:
         starts = starts[process_index::process_count]
         rows = np.stack([np.asarray(data[s : s + self.seq_len + 1]) for s in starts])
         ids = rows.astype(np.int32) + BYTE_OFFSET
-        return {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
+        return {
+            "inputs": np.ascontiguousarray(ids[:, :-1]),
+            "targets": np.ascontiguousarray(ids[:, 1:]),
+        }
 
     def train_batches(
         self, batch_size: int, *, seed: int = 0, start_step: int = 0, num_threads: int = 0, **kwargs
@@ -184,7 +187,11 @@ class TextData:
             for r, p in enumerate(pos):
                 if p < n:
                     rows[r] = np.asarray(data[p * t : p * t + t + 1]).astype(np.int32) + 1
-            yield {"inputs": rows[:, :-1], "targets": rows[:, 1:], "mask": pos < n}
+            yield {
+                "inputs": np.ascontiguousarray(rows[:, :-1]),
+                "targets": np.ascontiguousarray(rows[:, 1:]),
+                "mask": pos < n,
+            }
 
 
 def _read(path: Path) -> np.ndarray:
@@ -625,7 +632,9 @@ def init_cache(model: CausalLM, variables, batch_size: int):
     """The empty decoding cache (``cache`` collection) for `batch_size` sequences."""
     params_only = {k: v for k, v in variables.items() if k != "cache"}
 
-    def fn():
+    # Arrays go in as arguments, never closed over: a jitted closure keeps its captured
+    # buffers alive, and a training step may donate (free) those buffers afterwards.
+    def fn(params_only):
         _, updates = model.apply(
             params_only,
             jnp.zeros((batch_size, 1), jnp.int32),
@@ -634,7 +643,7 @@ def init_cache(model: CausalLM, variables, batch_size: int):
         )
         return updates["cache"]
 
-    return jax.jit(fn)()
+    return jax.jit(fn)(params_only)
 
 
 def decode_step(model: CausalLM, variables, cache, tokens):
@@ -655,7 +664,7 @@ def recurrent_logits(model: CausalLM, variables, tokens):
     cache = init_cache(model, variables, tokens.shape[0])
 
     @jax.jit
-    def run(cache, tokens):
+    def run(variables, cache, tokens):
         def step(cache, tok):
             logits, cache = decode_step(model, variables, cache, tok)
             return cache, logits
@@ -663,7 +672,7 @@ def recurrent_logits(model: CausalLM, variables, tokens):
         _, logits = jax.lax.scan(step, cache, jnp.swapaxes(tokens, 0, 1))
         return jnp.swapaxes(logits, 0, 1)
 
-    return run(cache, tokens)
+    return run(variables, cache, tokens)
 
 
 def generate(
@@ -703,7 +712,7 @@ def generate(
         return jax.random.categorical(key, logits).astype(jnp.int32)
 
     @jax.jit
-    def run(cache, prompt, rng):
+    def run(variables, cache, prompt, rng):
         def feed(cache, tok):
             logits, cache = decode_step(model, variables, cache, tok)
             return cache, logits
@@ -723,7 +732,7 @@ def generate(
 
     if num_tokens == 0:
         return prompt
-    return run(cache, prompt, rng)
+    return run(variables, cache, prompt, rng)
 
 
 # ============================================================================ loss
@@ -756,13 +765,13 @@ def evaluate_perplexity(
     """Perplexity of `model` on ``data[split]`` (one ordered pass; deterministic)."""
 
     @jax.jit
-    def nll(batch):
+    def nll(variables, batch):  # variables as an argument: see `init_cache`
         logits = model.apply(variables, batch["inputs"], deterministic=True)
         return token_nll(logits, batch["targets"], batch["mask"])
 
     total, count = 0.0, 0.0
     for batch in data.eval_batches(split, batch_size, max_batches=max_batches):
-        s, c = nll({k: jnp.asarray(v) for k, v in batch.items()})
+        s, c = nll(variables, {k: jnp.asarray(v) for k, v in batch.items()})
         total, count = total + float(s), count + float(c)
     return perplexity(total, count)
 
