@@ -5,6 +5,14 @@ import os
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# The 8 fake devices' in-process all-reduce aborts the process (SIGABRT, no message) when its
+# threads reach the rendezvous too slowly, which happens on a loaded 2-core machine: give it
+# room (seen in gdb: AwaitAndLogIfStuck in InProcessCommunicator::AllReduce).
+if "collective_call_terminate_timeout" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += (
+        " --xla_cpu_collective_call_terminate_timeout_seconds=3600"
+        " --xla_cpu_collective_call_warn_stuck_timeout_seconds=600"
+    )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
