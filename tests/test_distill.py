@@ -3,6 +3,8 @@ an end-to-end distillation of a small softmax ViT teacher (trained in the test).
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -290,12 +292,15 @@ def test_distillation_end_to_end(column_teacher, column_run):
     _check_flexformer_stage1(column_teacher)
 
 
-@pytest.mark.slow
 def test_kernel_transfer_column_to_row(column_run, tmp_path):
-    """Maps distilled on the column task used on the row task (its own teacher)."""
+    """Maps distilled on the column task used on the row task (its own, briefly trained teacher).
+
+    Measured (150 teacher steps, teacher val 0.53; stage 1 of 80 steps on B): attention KL on
+    B own 0.009, transferred 0.067, untrained 0.39; val accuracy own 0.55, transferred 0.25.
+    """
     _, source_dir = column_run
     task = _task("row")
-    config = distill.teacher_config(_config("hedgehog", 300))
+    config = distill.teacher_config(_config("hedgehog", 150))
     config.learning_rate = 3e-3
     loop.train_and_evaluate(config, tmp_path / "teacher_row", data=task)
     s = distill.kernel_transfer(
@@ -303,17 +308,20 @@ def test_kernel_transfer_column_to_row(column_run, tmp_path):
         teacher_workdir=tmp_path / "teacher_row",
         source=source_dir / "feature_maps.msgpack",
         workdir=tmp_path / "transfer",
-        stage1_steps=150,
+        stage1_steps=80,
         stage1_lr=1e-2,
         block_size=8,
         data=task,
         log=lambda msg: None,
     )
-    assert s["own"]["attention_kl"] < s["init"]["attention_kl"]
-    assert s["transferred"]["attention_kl"] < s["init"]["attention_kl"]
+    assert s["source_task"] == s["task"] == "vit" and s["student"] == "hedgehog"
+    kl = {name: s[name]["attention_kl"] for name in ("own", "transferred", "init")}
+    assert kl["own"] < kl["transferred"] < 0.5 * kl["init"], kl
     assert s["drop"] == pytest.approx(
         s["own"]["val"]["accuracy"] - s["transferred"]["val"]["accuracy"]
     )
+    saved = json.loads((tmp_path / "transfer" / "transfer_summary.json").read_text())
+    assert saved["drop"] == pytest.approx(s["drop"])
 
 
 def test_feature_map_files_check_the_student(tmp_path):

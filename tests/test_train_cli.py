@@ -220,3 +220,53 @@ def test_cli_flags_and_missing_data(tmp_path):
         parse_args(["--bogus=1"])
     with pytest.raises(DatasetNotFoundError, match="imdb_reviews"):
         main(["--task=text", f"--data_dir={tmp_path}", f"--workdir={tmp_path / 'w'}"])
+
+
+def test_distill_cli_run_and_transfer(tmp_path, monkeypatch, capsys):
+    """``python -m train.distill run`` (teacher, stage 1, stage 2), then ``transfer``
+    of its feature maps to another task (whose teacher it trains): every output is written."""
+    from train import distill
+
+    monkeypatch.chdir(tmp_path)
+    common = ["--student=hedgehog", "--stage1_steps=3", "--block_size=8"]
+    common += [f"--data_dir={tmp_path / 'data'}", *TINY, "--set=num_train_steps=2"]
+    common += ["--set=eval_every=2", "--set=checkpoint_every=2"]
+    summary = distill.main(
+        ["run", "--task=listops", "--train_teacher", *common, "--set=data.seq_len=32"]
+    )
+    out = capsys.readouterr().out
+    run_dir = tmp_path / "workdir" / "distill" / "listops_mini_hedgehog"
+    assert "training the softmax teacher in workdir/listops_mini_softmax" in out
+    assert distill.format_summary(summary) in out
+    assert summary["stage1"]["steps"] == 3 and summary["stage2"]["steps"] == 2
+    assert json.loads((run_dir / "distill_summary.json").read_text())["task"] == "listops"
+    _check_run_outputs(tmp_path / "workdir" / "listops_mini_softmax", 2)
+    _check_run_outputs(run_dir / "stage2", 2)
+    maps, info = distill.load_feature_maps(run_dir / "feature_maps.msgpack")
+    assert info["task"] == "listops" and len(maps) == 1
+
+    source = str(run_dir / "feature_maps.msgpack")
+    s = distill.main(
+        ["transfer", "--task=pathfinder", f"--source={source}", "--train_teacher"] + common
+    )
+    out = capsys.readouterr().out
+    assert "training the softmax teacher in workdir/pathfinder_mini_softmax" in out
+    assert s["source_task"] == "listops" and s["task"] == "pathfinder"
+    for name in ("own", "transferred", "init"):
+        assert np.isfinite(s[name]["attention_kl"]) and f"{name:12s} maps" in out
+    assert "transfer drop" in out
+    saved = tmp_path / "workdir" / "transfer" / "pathfinder_mini_hedgehog" / "transfer_summary.json"
+    assert json.loads(saved.read_text())["drop"] == s["drop"]
+    # maps of another mechanism are refused before any teacher is trained
+    with pytest.raises(ValueError, match="holds 'hedgehog' maps, not 'performer'"):
+        distill.main(
+            [
+                "transfer",
+                "--task=text",
+                f"--source={source}",
+                "--train_teacher",
+                "--student=performer",
+                *common[1:],
+            ]
+        )
+    assert "training the softmax teacher" not in capsys.readouterr().out

@@ -472,12 +472,14 @@ def teacher_config(config):
 
 
 def student_config(config, student: str, attention_config: Mapping[str, Any] | None = None):
-    """`config` with the student mechanism (and its config, if given)."""
-    _check_student(student, attention_config or config.attention_config)
-    c = config.copy_and_resolve_references()
-    c.attention = student
+    """`config` with the student mechanism and `attention_config` (default: the preset's
+    settings for that mechanism, `train.configs.set_attention`)."""
+    from train import configs
+
+    c = configs.set_attention(config.copy_and_resolve_references(), student)
     if attention_config is not None:
         c.attention_config = ml_collections.ConfigDict(dict(attention_config))
+    _check_student(student, c.attention_config)
     return c
 
 
@@ -664,11 +666,7 @@ def distill(
     workdir.mkdir(parents=True, exist_ok=True)
     student = config.attention
     _check_student(student, config.attention_config)
-    t_cfg = teacher_config(config)
-    if train_teacher and not _has_checkpoint(teacher_workdir):
-        log(f"training the softmax teacher in {teacher_workdir}")
-        loop.train_and_evaluate(t_cfg, teacher_workdir, data=data)
-    t_trainer, t_state, _ = restore(t_cfg, teacher_workdir, data=data)
+    t_trainer, t_state = _teacher(config, teacher_workdir, train_teacher, data, log)
     data = t_trainer.data
     teacher_val = t_trainer.evaluate(t_state, "val")
     log(f"teacher (softmax) val: {_fmt(teacher_val)}")
@@ -777,6 +775,7 @@ def kernel_transfer(
     block_size: int = 128,
     num_eval_batches: int = 2,
     finetune: bool = False,
+    train_teacher: bool = False,
     data=None,
     log: Callable[[str], None] = _log,
 ) -> dict[str, Any]:
@@ -788,22 +787,23 @@ def kernel_transfer(
     `stage1_steps`), ``transferred`` (from A) and ``init`` (untrained). For each: the
     attention-matching KL on B's validation batches and B's validation metric without
     fine-tuning; with `finetune`, also after ``config.num_train_steps`` steps of stage 2.
-    ``drop`` = own - transferred (metric; positive = transfer loses).
+    ``drop`` = own - transferred (metric; positive = transfer loses). With `train_teacher`,
+    B's teacher is trained in `teacher_workdir` first if it has no checkpoint.
     """
     from train import loop
 
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     student = config.attention
-    t_cfg = teacher_config(config)
-    t_trainer, t_state, _ = restore(t_cfg, teacher_workdir, data=data)
+    _check_student(student, config.attention_config)
+    src_maps, src_info = load_feature_maps(source)  # before any training: fail fast
+    if src_info.get("student") not in (None, student):
+        raise ValueError(f"{source} holds {src_info['student']!r} maps, not {student!r}")
+    t_trainer, t_state = _teacher(config, teacher_workdir, train_teacher, data, log)
     data = t_trainer.data
     s_trainer = loop.Trainer(config, data)
     base = init_student(t_state, s_trainer)
-    src_maps, src_info = load_feature_maps(source)
     _check_maps_fit(src_maps, base, student)
-    if src_info.get("student") not in (None, student):
-        raise ValueError(f"{source} holds {src_info['student']!r} maps, not {student!r}")
     if own is not None:
         own_maps, _ = load_feature_maps(own)
         _check_maps_fit(own_maps, base, student)
@@ -860,6 +860,18 @@ def kernel_transfer(
         log(f"transfer drop ({metric}, own - transferred): {summary['drop']:+.4f}")
     (workdir / "transfer_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def _teacher(config, teacher_workdir, train_teacher: bool, data, log):
+    """``(trainer, state)`` of the softmax teacher of `config`, trained first if asked."""
+    from train import loop
+
+    t_cfg = teacher_config(config)
+    if train_teacher and not _has_checkpoint(teacher_workdir):
+        log(f"training the softmax teacher in {teacher_workdir}")
+        loop.train_and_evaluate(t_cfg, teacher_workdir, data=data)
+    t_trainer, t_state, _ = restore(t_cfg, teacher_workdir, data=data)
+    return t_trainer, t_state
 
 
 def _has_checkpoint(workdir) -> bool:
@@ -932,12 +944,14 @@ distilled feature maps to another task.
 
   python -m train.distill run --task listops --preset mini --student flexformer_n \\
       --teacher_workdir workdir/listops_mini_softmax --train_teacher --baselines
-  python -m train.distill transfer --task image --preset mini --student flexformer_n \\
-      --teacher_workdir workdir/image_mini_softmax \\
+  python -m train.distill transfer --task text --preset mini --student flexformer_n \\
+      --teacher_workdir workdir/text_mini_softmax --train_teacher \\
       --source workdir/distill/listops_mini_flexformer_n/feature_maps.msgpack
 
 The teacher is the same config with softmax attention, read from --teacher_workdir (best
 checkpoint, else latest); --train_teacher trains it there first if it has no checkpoint.
+Transfer needs the two tasks' models to have the same layers, heads and head size (the LRA
+mini presets of listops, text, retrieval and pathfinder do; image's has one layer).
 Stage 2 (and the baselines, and transfer --finetune) run config.num_train_steps steps of
 the ordinary training loop (`python -m train`): progress bar, checkpoints, metrics, summary.
 Config fields: --set key=value (as for python -m train), e.g. --set num_train_steps=200.
@@ -973,12 +987,14 @@ def main(argv=None) -> dict:
     p.add_argument("--source", default=None, help="transfer: feature_maps.msgpack of task A")
     p.add_argument("--own", default=None, help="transfer: B's own maps (default: distil now)")
     p.add_argument("--finetune", action="store_true", help="transfer: also fine-tune each")
+    p.add_argument("--data_dir", default=None, help="override data.data_dir")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--no_progress", action="store_true")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
 
-    config = configs.get_config(args.task, args.preset)
-    config.attention = args.student
+    config = configs.set_attention(configs.get_config(args.task, args.preset), args.student)
+    if args.data_dir is not None:
+        config.data.data_dir = args.data_dir
     configs.apply_overrides(config, args.set)
     if args.no_progress:
         config.progress_bar = False
@@ -1014,6 +1030,7 @@ def main(argv=None) -> dict:
         stage1_lr=args.stage1_lr,
         block_size=args.block_size,
         finetune=args.finetune,
+        train_teacher=args.train_teacher,
     )
 
 
