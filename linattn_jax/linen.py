@@ -36,6 +36,10 @@ class MultiHeadAttention(nn.Module):
         ``(key, value)`` pairs (hashable, so the module stays hashable).
       use_bias: biases in the projections.
       deterministic: default for calls (mechanism sampling off when True).
+      dtype: computation dtype of the projections (e.g. ``jnp.bfloat16`` for mixed
+        precision; default: inferred from inputs and params). The mechanism keeps its
+        float32 internals and returns q's dtype.
+      param_dtype: dtype of the parameters.
     """
 
     num_heads: int
@@ -45,6 +49,7 @@ class MultiHeadAttention(nn.Module):
     attention_config: Any = ()
     use_bias: bool = True
     deterministic: bool = False
+    dtype: Any = None
     param_dtype: Any = jnp.float32
 
     @nn.compact
@@ -62,6 +67,7 @@ class MultiHeadAttention(nn.Module):
                 (self.num_heads, head_dim),
                 use_bias=self.use_bias,
                 name=name,
+                dtype=self.dtype,
                 param_dtype=self.param_dtype,
                 kernel_init=nn.with_logical_partitioning(init, mu.QKV_AXES),
             )
@@ -97,6 +103,7 @@ class MultiHeadAttention(nn.Module):
             axis=(-2, -1),
             use_bias=self.use_bias,
             name="out",
+            dtype=self.dtype,
             param_dtype=self.param_dtype,
             kernel_init=nn.with_logical_partitioning(init, mu.OUT_AXES),
         )(out)

@@ -46,6 +46,8 @@ class MultiHeadAttention(nnx.Module):
       attention_config: config bound to the mechanism (e.g. ``{"num_features": 64}``).
       use_bias: biases in the projections.
       deterministic: default for calls (mechanism sampling off when True).
+      dtype: computation dtype of the projections (e.g. ``jnp.bfloat16``; default: inferred
+        from inputs and params); param_dtype: dtype of the parameters.
       rngs: ``params`` for init, ``attention`` (optional) for sampling.
     """
 
@@ -60,6 +62,7 @@ class MultiHeadAttention(nnx.Module):
         attention_config: Mapping[str, Any] | None = None,
         use_bias: bool = True,
         deterministic: bool = False,
+        dtype=None,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
@@ -76,6 +79,7 @@ class MultiHeadAttention(nnx.Module):
                 in_features,
                 (num_heads, head_dim),
                 use_bias=use_bias,
+                dtype=dtype,
                 param_dtype=param_dtype,
                 kernel_init=_annotated(init, mu.QKV_AXES),
                 rngs=rngs,
@@ -87,6 +91,7 @@ class MultiHeadAttention(nnx.Module):
             out_features,
             axis=(-2, -1),
             use_bias=use_bias,
+            dtype=dtype,
             param_dtype=param_dtype,
             kernel_init=_annotated(init, mu.OUT_AXES),
             rngs=rngs,

@@ -255,3 +255,40 @@ def test_corrupt_latest_checkpoint_is_skipped(tmp_path):
     ck = ckpt_lib.Checkpointer(tmp_path, max_to_keep=5)
     assert ck.latest.latest_step() == 3
     ck.close()
+
+
+@pytest.mark.parametrize("attention", ["softmax", "flexformer_n"])
+def test_bfloat16_compute(attention):
+    """``model.dtype = "bfloat16"``: float32 logits within bf16 rounding of the float32
+    model's with the same params (two blocks and a head: 16 ulp = 6% of the logits' scale;
+    measured 0.9% softmax, 2.4% flexformer_n); float16 (no loss scaling) is refused."""
+    task = toy_task()
+    c32, c16 = tiny_config(attention), tiny_config(attention)
+    c16.model.dtype = "bfloat16"
+    kw = dict(vocab_size=12, num_classes=3, seq_len=SEQ, is_pair=False)
+    m32, m16 = models.build_classifier(c32, **kw), models.build_classifier(c16, **kw)
+    assert m16.encoder.dtype == jnp.bfloat16 and m32.encoder.dtype == jnp.float32
+    tokens = task.train_batch(0, 16, seed=0)["inputs"]
+    variables = m32.init({"params": jax.random.key(0)}, tokens)
+    want, got = m32.apply(variables, tokens), m16.apply(variables, tokens)
+    assert got.dtype == jnp.float32
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    assert 1e-4 < err < 16 * 2.0**-8, err
+    with pytest.raises(ValueError, match="model.dtype"):
+        c16.model.dtype = "float16"
+        models.build_classifier(c16, **kw)
+
+
+def test_bfloat16_training_steps():
+    """Train steps with bf16 compute: float32 params and Adam state, a first loss within
+    bf16 rounding of the float32 run's (same init, same batch), finite losses after."""
+    task = toy_task()
+    c32, c16 = tiny_config("softmax"), tiny_config("softmax")
+    c16.model.dtype = "bfloat16"
+    _, _, l32 = _run_steps(c32, task, jax.devices()[:1], n=1)
+    _, s16, l16 = _run_steps(c16, task, jax.devices()[:1], n=3)
+    leaves = jax.tree.leaves((s16.params, s16.opt_state))
+    assert {x.dtype for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)} == {
+        jnp.dtype(jnp.float32)
+    }
+    assert np.all(np.isfinite(l16)) and 0 < abs(l16[0] - l32[0]) < 16 * 2.0**-8 * l32[0]

@@ -61,6 +61,7 @@ from linattn_jax.linen import MultiHeadAttention
 
 from .data.errors import DatasetNotFoundError
 from .data.tokenizers import BYTE_OFFSET, BYTE_VOCAB_SIZE, decode_bytes
+from .models import MlpBlock, _dense, _layer_norm, attention_config_pairs, compute_dtype
 
 VOCAB_SIZE = BYTE_VOCAB_SIZE
 WIKITEXT_FILES = {"train": "wiki.train.raw", "val": "wiki.valid.raw", "test": "wiki.test.raw"}
@@ -249,35 +250,7 @@ def _split_single(data: np.ndarray, frac: float, seq_len: int, info) -> TextData
 
 
 # ============================================================================ model
-def _layer_norm(name=None):
-    return nn.LayerNorm(
-        name=name,
-        scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
-    )
-
-
-def _dense(features, name, axes):
-    return nn.Dense(
-        features,
-        name=name,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[-1:]),
-    )
-
-
-class Mlp(nn.Module):
-    """``Dense(mlp_dim) -> gelu -> Dense(E)``, dropout after each: ``[B, T, E] -> [B, T, E]``."""
-
-    mlp_dim: int
-    dropout_rate: float = 0.0
-
-    @nn.compact
-    def __call__(self, x, *, deterministic: bool):
-        y = nn.gelu(_dense(self.mlp_dim, "wi", ("embed", "mlp"))(x))
-        y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
-        y = _dense(x.shape[-1], "wo", ("mlp", "embed"))(y)
-        return nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+Mlp = MlpBlock  # ``Dense(mlp_dim) -> gelu -> dropout -> Dense(E) -> dropout``
 
 
 def drop_path(module: nn.Module, x, rate: float, deterministic: bool):
@@ -306,10 +279,11 @@ class Block(nn.Module):
     causal: bool = False
     decode: bool = False
     max_len: int = 0
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x, mask=None, *, deterministic: bool = True):
-        y = _layer_norm("ln_attention")(x)
+        y = _layer_norm("ln_attention", self.dtype)(x)
         if self.decode:
             y = RecurrentAttention(
                 num_heads=self.num_heads,
@@ -317,6 +291,7 @@ class Block(nn.Module):
                 attention=self.attention,
                 attention_config=self.attention_config,
                 max_len=self.max_len,
+                dtype=self.dtype,
                 name="attention",
             )(y)
         else:
@@ -325,12 +300,13 @@ class Block(nn.Module):
                 qkv_features=self.qkv_dim,
                 attention=self.attention,
                 attention_config=self.attention_config,
+                dtype=self.dtype,
                 name="attention",
             )(y, mask=mask, causal=self.causal, deterministic=deterministic)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
         x = x + drop_path(self, y, self.drop_path_rate, deterministic)
-        y = Mlp(self.mlp_dim, self.dropout_rate, name="mlp")(
-            _layer_norm("ln_mlp")(x), deterministic=deterministic
+        y = Mlp(self.mlp_dim, self.dropout_rate, self.dtype, name="mlp")(
+            _layer_norm("ln_mlp", self.dtype)(x), deterministic=deterministic
         )
         return x + drop_path(self, y, self.drop_path_rate, deterministic)
 
@@ -339,7 +315,8 @@ class CausalLM(nn.Module):
     """Decoder-only LM: tokens ``[B, T]`` -> logits ``[B, T, vocab_size]`` float32.
 
     With ``decode=True`` tokens are ``[B, 1]``: one step of recurrent decoding (the caller
-    makes the ``cache`` collection mutable; see `init_cache`, `decode_step`).
+    makes the ``cache`` collection mutable; see `init_cache`, `decode_step`). ``dtype``: the
+    computation dtype (``jnp.bfloat16`` for mixed precision; params stay float32).
     """
 
     vocab_size: int = VOCAB_SIZE
@@ -353,6 +330,7 @@ class CausalLM(nn.Module):
     attention_config: Any = ()
     dropout_rate: float = 0.0
     tie_embeddings: bool = True
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, tokens, *, deterministic: bool = True, decode: bool = False):
@@ -375,6 +353,7 @@ class CausalLM(nn.Module):
             embedding_init=nn.with_logical_partitioning(
                 nn.initializers.normal(stddev=0.02), ("vocab", "embed")
             ),
+            dtype=self.dtype,
             name="embed",
         )
         pos = self.param(
@@ -390,7 +369,8 @@ class CausalLM(nn.Module):
                 index.value = index.value + 1
         else:
             p = pos[:t]
-        x = embed(tokens) + p[None]
+        x = embed(tokens)
+        x = x + p[None].astype(x.dtype)
         x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
         for i in range(self.num_layers):
             x = Block(
@@ -403,12 +383,13 @@ class CausalLM(nn.Module):
                 causal=True,
                 decode=decode,
                 max_len=self.max_len,
+                dtype=self.dtype,
                 name=f"block_{i}",
             )(x, deterministic=deterministic)
-        x = _layer_norm("ln_final")(x)
+        x = _layer_norm("ln_final", self.dtype)(x)
         if self.tie_embeddings:
             return embed.attend(x).astype(_f32)
-        return _dense(self.vocab_size, "logits", ("embed", "vocab"))(x).astype(_f32)
+        return _dense(self.vocab_size, "logits", ("embed", "vocab"), self.dtype)(x).astype(_f32)
 
 
 # ============================================================================ recurrence
@@ -546,6 +527,7 @@ class RecurrentAttention(nn.Module):
     attention_config: Any = ()
     max_len: int = 0
     use_bias: bool = True
+    dtype: Any = None
     param_dtype: Any = jnp.float32
 
     @nn.compact
@@ -563,6 +545,7 @@ class RecurrentAttention(nn.Module):
                 (self.num_heads, head_dim),
                 use_bias=self.use_bias,
                 name=name,
+                dtype=self.dtype,
                 param_dtype=self.param_dtype,
                 kernel_init=nn.with_logical_partitioning(init, mu.QKV_AXES),
             )
@@ -623,6 +606,7 @@ class RecurrentAttention(nn.Module):
             axis=(-2, -1),
             use_bias=self.use_bias,
             name="out",
+            dtype=self.dtype,
             param_dtype=self.param_dtype,
             kernel_init=nn.with_logical_partitioning(init, mu.OUT_AXES),
         )(out.astype(q.dtype))
@@ -795,8 +779,6 @@ def lm_loss(logits, batch, weights, config=None):
 
 def build_lm(config, vocab_size: int = VOCAB_SIZE) -> CausalLM:
     """The `CausalLM` of ``config.model`` / ``config.attention`` / ``config.attention_config``."""
-    from .models import attention_config_pairs
-
     m = config.model
     return CausalLM(
         vocab_size=vocab_size,
@@ -810,6 +792,7 @@ def build_lm(config, vocab_size: int = VOCAB_SIZE) -> CausalLM:
         attention_config=attention_config_pairs(config.attention_config),
         dropout_rate=float(m.dropout_rate),
         tie_embeddings=bool(m.tie_embeddings),
+        dtype=compute_dtype(config),
     )
 
 

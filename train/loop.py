@@ -201,13 +201,22 @@ def learning_rate_schedule(config) -> optax.Schedule:
 
 
 def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """adamw(schedule) with LRA's betas, global-norm clipping, and a weight-decay mask."""
+    """adamw(schedule) with LRA's betas, global-norm clipping, and a weight-decay mask.
+
+    Decayed: params with ``ndim >= 2`` (kernels, embeddings), except biases and norm scales
+    of any rank (the q/k/v projections' biases are ``[heads, head_dim]``), attention-mechanism
+    params (unless ``config.decay_mechanism_params``) and params named in
+    ``config.no_decay_params``.
+    """
     schedule = learning_rate_schedule(config)
+    no_decay = set(config.get("no_decay_params", ()) or ())
 
     def decay_mask(params):
         def keep(path, x):
             names = [getattr(p, "key", getattr(p, "name", "")) for p in path]
             if "mechanism" in names and not config.decay_mechanism_params:
+                return False
+            if no_decay.intersection(names) or names[-1] in ("bias", "scale"):
                 return False
             return x.ndim >= 2
 

@@ -19,6 +19,11 @@ Parameters carry logical axis names (``vocab``, ``embed``, ``mlp``, ``heads``, `
 ``classes``) for FSDP-style sharding by the rules in the config. Collections: ``params``;
 ``fixed`` (fixed random features of performer-like mechanisms, not trained). RNG streams:
 ``dropout`` and ``attention`` (sampling mechanisms).
+
+Mixed precision: ``dtype`` (e.g. ``jnp.bfloat16``, config ``model.dtype``) is the computation
+dtype of embeddings, projections, MLPs and layer norms (whose statistics flax computes in
+float32); parameters stay float32 (``param_dtype``), the attention mechanisms keep their
+float32 internals, and the logits are returned in float32.
 """
 
 from __future__ import annotations
@@ -35,19 +40,21 @@ POOLINGS = ("cls", "mean", "first")
 POS_EMBS = ("learned", "sinusoidal")
 
 
-def _dense(features, name, axes, **kw):
+def _dense(features, name, axes, dtype=None, **kw):
     return nn.Dense(
         features,
         name=name,
+        dtype=dtype,
         kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), axes),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[-1:]),
         **kw,
     )
 
 
-def _layer_norm(name=None):
+def _layer_norm(name=None, dtype=None):
     return nn.LayerNorm(
         name=name,
+        dtype=dtype,
         scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
     )
@@ -68,14 +75,15 @@ class MlpBlock(nn.Module):
 
     mlp_dim: int
     dropout_rate: float = 0.0
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x, *, deterministic: bool):
         features = x.shape[-1]
-        y = _dense(self.mlp_dim, "wi", ("embed", "mlp"))(x)
+        y = _dense(self.mlp_dim, "wi", ("embed", "mlp"), self.dtype)(x)
         y = nn.gelu(y)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
-        y = _dense(features, "wo", ("mlp", "embed"))(y)
+        y = _dense(features, "wo", ("mlp", "embed"), self.dtype)(y)
         return nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
 
 
@@ -88,20 +96,22 @@ class EncoderBlock(nn.Module):
     attention: str
     attention_config: Any = ()
     dropout_rate: float = 0.0
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x, mask, *, deterministic: bool):
-        y = _layer_norm("ln_attention")(x)
+        y = _layer_norm("ln_attention", self.dtype)(x)
         y = MultiHeadAttention(
             num_heads=self.num_heads,
             qkv_features=self.qkv_dim,
             attention=self.attention,
             attention_config=self.attention_config,
+            dtype=self.dtype,
             name="attention",
         )(y, mask=mask, causal=False, deterministic=deterministic)
         x = x + nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
-        y = _layer_norm("ln_mlp")(x)
-        return x + MlpBlock(self.mlp_dim, self.dropout_rate, name="mlp")(
+        y = _layer_norm("ln_mlp", self.dtype)(x)
+        return x + MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, name="mlp")(
             y, deterministic=deterministic
         )
 
@@ -119,6 +129,8 @@ class Encoder(nn.Module):
       pos_emb: one of ``POS_EMBS``.
       pad_mask: whether token 0 is padding (masked out of attention and mean pooling).
       tied_layers: share one block across all layers.
+      dtype: computation dtype (None: float32 from the params; ``jnp.bfloat16`` for mixed
+        precision). Parameters are float32 either way.
     """
 
     vocab_size: int
@@ -135,6 +147,7 @@ class Encoder(nn.Module):
     pos_emb: str = "learned"
     pad_mask: bool = True
     tied_layers: bool = False
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, tokens, *, deterministic: bool):
@@ -155,6 +168,7 @@ class Encoder(nn.Module):
             embedding_init=nn.with_logical_partitioning(
                 nn.initializers.normal(stddev=1.0), ("vocab", "embed")
             ),
+            dtype=self.dtype,
             name="embed",
         )(tokens)  # [B, T, E]
         if self.pooling == "cls":
@@ -163,7 +177,8 @@ class Encoder(nn.Module):
                 nn.with_logical_partitioning(nn.initializers.zeros_init(), (None, None, "embed")),
                 (1, 1, self.emb_dim),
             )
-            x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, self.emb_dim)), x], axis=1)
+            cls = jnp.broadcast_to(cls.astype(x.dtype), (b, 1, self.emb_dim))
+            x = jnp.concatenate([cls, x], axis=1)
             mask = jnp.concatenate([jnp.ones((b, 1), bool), mask], axis=1)  # CLS attends
         length = x.shape[1]
         if self.pos_emb == "learned":
@@ -176,7 +191,7 @@ class Encoder(nn.Module):
             )
         else:
             pos = jnp.asarray(sinusoidal_positions(self.max_len + 1, self.emb_dim))
-        x = x + pos[None, :length]
+        x = x + pos[None, :length].astype(x.dtype)
         x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
 
         def block(name):
@@ -187,29 +202,34 @@ class Encoder(nn.Module):
                 attention=self.attention,
                 attention_config=self.attention_config,
                 dropout_rate=self.dropout_rate,
+                dtype=self.dtype,
                 name=name,
             )
 
         shared = block("block") if self.tied_layers else None
         for i in range(self.num_layers):
             x = (shared or block(f"block_{i}"))(x, mask, deterministic=deterministic)
-        x = _layer_norm("ln_final")(x)  # [B, T', E]
+        x = _layer_norm("ln_final", self.dtype)(x)  # [B, T', E]
         if self.pooling == "mean":
-            w = mask.astype(x.dtype)[..., None]  # [B, T, 1]
-            return jnp.sum(x * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1.0)
+            w = mask.astype(jnp.float32)[..., None]  # [B, T, 1]; the sum in float32
+            return jnp.sum(x.astype(jnp.float32) * w, axis=1) / jnp.maximum(jnp.sum(w, 1), 1.0)
         return x[:, 0]  # cls / first
 
 
 class ClassifierHead(nn.Module):
-    """``Dense(mlp_dim) -> relu -> Dense(num_classes)``: ``[B, F] -> [B, C]`` (LRA's head)."""
+    """``Dense(mlp_dim) -> relu -> Dense(num_classes)``: ``[B, F] -> [B, C]`` float32 logits
+    (LRA's head)."""
 
     num_classes: int
     mlp_dim: int
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x):
-        x = nn.relu(_dense(self.mlp_dim, "hidden", ("embed", "mlp"))(x))
-        return _dense(self.num_classes, "logits", ("mlp", "classes"))(x)
+        x = nn.relu(_dense(self.mlp_dim, "hidden", ("embed", "mlp"), self.dtype)(x))
+        return _dense(self.num_classes, "logits", ("mlp", "classes"), self.dtype)(x).astype(
+            jnp.float32
+        )
 
 
 class EncoderClassifier(nn.Module):
@@ -221,7 +241,9 @@ class EncoderClassifier(nn.Module):
     @nn.compact
     def __call__(self, tokens, *, deterministic: bool = True):
         pooled = self.encoder(tokens, deterministic=deterministic)
-        return ClassifierHead(self.num_classes, self.encoder.mlp_dim, name="head")(pooled)
+        return ClassifierHead(
+            self.num_classes, self.encoder.mlp_dim, self.encoder.dtype, name="head"
+        )(pooled)
 
 
 class DualEncoderClassifier(nn.Module):
@@ -240,13 +262,26 @@ class DualEncoderClassifier(nn.Module):
         )
         u, v = jnp.split(both, 2, axis=0)  # [B, E] each
         feats = jnp.concatenate([u, v, u * v, u - v], axis=-1)  # [B, 4E]
-        return ClassifierHead(self.num_classes, self.encoder.mlp_dim, name="head")(feats)
+        return ClassifierHead(
+            self.num_classes, self.encoder.mlp_dim, self.encoder.dtype, name="head"
+        )(feats)
 
 
 def attention_config_pairs(config) -> tuple:
     """The mechanism config as hashable sorted ``(key, value)`` pairs (tuples for lists)."""
     raw = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in raw.items()))
+
+
+def compute_dtype(config):
+    """``config.model.dtype`` (``"float32"`` or ``"bfloat16"``) as a dtype.
+
+    float16 is refused: it needs loss scaling, which the training loop does not do.
+    """
+    name = str(config.model.get("dtype", "float32"))
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"model.dtype must be 'float32' or 'bfloat16', got {name!r}")
+    return jnp.dtype(name)
 
 
 def build_encoder(config, *, vocab_size: int, max_len: int) -> Encoder:
@@ -267,6 +302,7 @@ def build_encoder(config, *, vocab_size: int, max_len: int) -> Encoder:
         pos_emb=m.pos_emb,
         pad_mask=m.pad_mask,
         tied_layers=m.tied_layers,
+        dtype=compute_dtype(config),
     )
 
 
@@ -286,5 +322,6 @@ __all__ = [
     "MlpBlock",
     "build_classifier",
     "build_encoder",
+    "compute_dtype",
     "sinusoidal_positions",
 ]

@@ -46,6 +46,7 @@ from .data import _config
 from .data.errors import DatasetNotFoundError
 from .data.tfds_tasks import open_source
 from .lm import Block, _dense, _layer_norm
+from .models import compute_dtype
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -84,6 +85,8 @@ class ViT(nn.Module):
         rng stream ``dropout``). When either alpha is > 0 the model returns
         ``{"logits", "mix_lam"}`` (``mix_lam = 1`` when deterministic) and the loss mixes the
         labels as ``lam y + (1 - lam) y[::-1]`` (`vit_loss`); otherwise the logits.
+      dtype: computation dtype (``jnp.bfloat16`` for mixed precision; params stay float32,
+        normalisation and Mixup/CutMix in float32, logits returned in float32).
     """
 
     num_classes: int
@@ -103,6 +106,7 @@ class ViT(nn.Module):
     mixup_alpha: float = 0.0
     cutmix_alpha: float = 0.0
     mix_switch_prob: float = 0.5
+    dtype: Any = None
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -157,6 +161,7 @@ class ViT(nn.Module):
                 nn.initializers.lecun_normal(), (None, None, None, "embed")
             ),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+            dtype=self.dtype,
             name="patch_embed",
         )(x)  # [B, gh, gw, E]
         b = x.shape[0]
@@ -166,13 +171,14 @@ class ViT(nn.Module):
             nn.with_logical_partitioning(nn.initializers.zeros_init(), (None, None, "embed")),
             (1, 1, self.emb_dim),
         )
-        x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, self.emb_dim)), x], axis=1)
+        cls = jnp.broadcast_to(cls.astype(x.dtype), (b, 1, self.emb_dim))
+        x = jnp.concatenate([cls, x], axis=1)
         pos = self.param(
             "pos_embed",
             nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), ("length", "embed")),
             (1 + gh * gw, self.emb_dim),
         )
-        x = x + pos[None]
+        x = x + pos[None].astype(x.dtype)
         x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
         config = self.block_attention_config()
         for i in range(self.num_layers):
@@ -185,11 +191,12 @@ class ViT(nn.Module):
                 attention_config=config,
                 dropout_rate=self.dropout_rate,
                 drop_path_rate=rate,
+                dtype=self.dtype,
                 name=f"block_{i}",
             )(x, deterministic=deterministic)
-        x = _layer_norm("ln_final")(x)
-        pooled = x[:, 0] if self.pooling == "cls" else jnp.mean(x[:, 1:], axis=1)
-        logits = _dense(self.num_classes, "head", ("embed", "classes"))(pooled)
+        x = _layer_norm("ln_final", self.dtype)(x)
+        pooled = x[:, 0] if self.pooling == "cls" else jnp.mean(x[:, 1:], axis=1, dtype=jnp.float32)
+        logits = _dense(self.num_classes, "head", ("embed", "classes"), self.dtype)(pooled)
         logits = logits.astype(jnp.float32)
         return {"logits": logits, "mix_lam": lam} if mixing else logits
 
@@ -214,6 +221,7 @@ def build_vit(config, *, num_classes: int, image_size, channels: int = 3) -> ViT
         dropout_rate=float(m.dropout_rate),
         drop_path_rate=float(m.drop_path_rate),
         pooling=m.pooling,
+        dtype=compute_dtype(config),
     )
 
 

@@ -59,6 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.pos_emb = "learned"  # "learned" (N(0, 0.02)) or "sinusoidal" (fixed)
     c.model.pad_mask = True  # token id 0 is padding -> key-padding mask (False for images)
     c.model.tied_layers = False  # one block applied num_layers times (LRA ListOps "tied_weights")
+    c.model.dtype = "float32"  # computation dtype: "bfloat16" = mixed precision (params float32)
 
     # --- optimisation (optax adamw, LRA's Adam: b2 0.98, eps 1e-9, decoupled weight decay)
     c.batch_size = 32  # global batch size (split over every device of the mesh)
@@ -67,8 +68,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.schedule = "cosine"  # "rsqrt" (LRA: warmup then lr*sqrt(warmup/step)), "cosine", "constant"
     c.warmup_steps = 50  # linear warmup from 0 to learning_rate
     c.end_lr_fraction = 0.0  # cosine: final lr as a fraction of the peak
-    c.weight_decay = 0.0  # decoupled (adamw) decay, applied to params with ndim >= 2
+    c.weight_decay = 0.0  # decoupled (adamw) decay of kernels / embeddings (ndim >= 2, no biases)
     c.decay_mechanism_params = False  # also decay attention-mechanism params (e.g. frequencies)
+    c.no_decay_params = ()  # param names never decayed, e.g. ("pos_embed", "cls") as in DeiT
     c.b1 = 0.9  # Adam beta1
     c.b2 = 0.98  # Adam beta2 (LRA)
     c.eps = 1e-9  # Adam epsilon (LRA)

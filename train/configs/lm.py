@@ -9,7 +9,7 @@ Presets:
   ``wiki.train.raw``, ``wiki.valid.raw``, ``wiki.test.raw``), the "small" size of the
   Flexformer paper's LM study (~40M parameters: 12 layers, width 512, 8 heads, MLP 2048),
   context 512, batch 64, 100k steps, AdamW (b2 0.95) lr 6e-4 with 2000 warmup steps and
-  cosine decay, weight decay 0.1, dropout 0.1.
+  cosine decay, weight decay 0.1, dropout 0.1, bfloat16 compute (float32 params).
 
 Only causal mechanisms (``la.causal_names()``) apply. The best checkpoint is the lowest
 validation loss (mean NLL per byte; perplexity = exp(loss)).
@@ -44,6 +44,7 @@ def get_config(preset: str = "mini") -> ml_collections.ConfigDict:
     c.model.mlp_dim = 512  # MLP hidden width
     c.model.dropout_rate = 0.0  # dropout on embeddings and residual branches
     c.model.tie_embeddings = True  # output layer = embedding^T
+    c.model.dtype = "float32"  # computation dtype ("bfloat16": mixed precision)
 
     c.best_metric = "loss"  # rank checkpoints by validation NLL ...
     c.best_mode = "min"  # ... lower is better
@@ -68,7 +69,13 @@ def get_config(preset: str = "mini") -> ml_collections.ConfigDict:
     c.data.path = "~/.cache/linattn_jax/data/wikitext-103-raw"
     c.data.seq_len = 512
     c.model.update(
-        num_layers=12, emb_dim=512, num_heads=8, qkv_dim=512, mlp_dim=2048, dropout_rate=0.1
+        num_layers=12,
+        emb_dim=512,
+        num_heads=8,
+        qkv_dim=512,
+        mlp_dim=2048,
+        dropout_rate=0.1,
+        dtype="bfloat16",
     )
     c.update(
         batch_size=64,

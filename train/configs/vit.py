@@ -4,10 +4,12 @@ Presets:
 
 * ``deit_tiny``: DeiT-tiny on ImageNet-1k (tfds ``imagenet2012``, 224x224, patch 16, 196
   tokens + CLS), the DeiT recipe (Touvron et al. 2021): 300 epochs at batch 1024 (1251
-  steps per epoch), AdamW (b1 0.9, b2 0.999, eps 1e-8, weight decay 0.05 on weights with
-  ndim >= 2), peak lr ``5e-4 * 1024 / 512 = 1e-3``, 5 warmup epochs then cosine to 1e-5,
+  steps per epoch), AdamW (b1 0.9, b2 0.999, eps 1e-8, weight decay 0.05 on the kernels,
+  not on biases, norms, the position embedding or the CLS token), peak lr
+  ``5e-4 * 1024 / 512 = 1e-3``, 5 warmup epochs then cosine to 1e-5,
   label smoothing 0.1, stochastic depth 0.1, Mixup 0.8 / CutMix 1.0 (switch 0.5),
-  random-resized crop + flip; evaluation: resize 256 / centre crop 224. Width 192, 12
+  random-resized crop + flip; evaluation: resize 256 / centre crop 224; bfloat16 compute
+  (float32 params; DeiT trains with fp16 AMP). Width 192, 12
   blocks, 3 heads, MLP 768. Not included: RandAugment, random erasing, repeated
   augmentation, EMA (DeiT uses them; they add about 1 point). Sharding: data parallel over
   every device; ``mesh_shape=(-1, N)`` adds FSDP over N devices (``embed`` -> ``fsdp``).
@@ -61,6 +63,7 @@ def get_config(preset: str = "mini") -> ml_collections.ConfigDict:
     c.model.mixup_alpha = 0.0  # Mixup Beta(alpha, alpha); 0 = off
     c.model.cutmix_alpha = 0.0  # CutMix Beta(alpha, alpha); 0 = off
     c.model.mix_switch_prob = 0.5  # probability of CutMix when both are on
+    c.model.dtype = "float32"  # computation dtype ("bfloat16": mixed precision, params float32)
 
     c.mesh_shape = (-1, 1)
     c.b2 = 0.999
@@ -68,6 +71,7 @@ def get_config(preset: str = "mini") -> ml_collections.ConfigDict:
     c.grad_clip_norm = ml_collections.FieldReference(None, field_type=float)
     c.label_smoothing = 0.1
     c.weight_decay = 0.05
+    c.no_decay_params = ("pos_embed", "cls")  # DeiT / timm: no decay on position / CLS tokens
     c.schedule = "cosine"
 
     if preset == "mini":
@@ -115,6 +119,7 @@ def get_config(preset: str = "mini") -> ml_collections.ConfigDict:
         drop_path_rate=0.1,
         mixup_alpha=0.8,
         cutmix_alpha=1.0,
+        dtype="bfloat16",
     )
     batch = 1024
     steps_per_epoch = 1_281_167 // batch
