@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec
 
 from train import checkpoint as ckpt_lib
-from train import configs, models
+from train import configs, loop, models
 from train.data.pipeline import ArraySource, Task
 from train.loop import Trainer, learning_rate_schedule
 
@@ -292,3 +294,49 @@ def test_bfloat16_training_steps():
         jnp.dtype(jnp.float32)
     }
     assert np.all(np.isfinite(l16)) and 0 < abs(l16[0] - l32[0]) < 16 * 2.0**-8 * l32[0]
+
+
+def test_param_ema_is_the_average_of_the_params_after_each_step():
+    """`param_ema` against the recursion written out, and a Trainer that keeps one: sharded
+    like the params, evaluated in their place, and the same as the recursion over the
+    params the training steps produced."""
+    tx = loop.param_ema(0.75)
+    params = {"w": jnp.arange(3.0), "b": jnp.ones(())}
+    state = tx.init(params)
+    want = jax.tree.map(np.asarray, params)
+    for i in range(3):
+        updates = jax.tree.map(lambda p, i=i: jnp.full_like(p, 0.5 * (i + 1)), params)
+        out, state = tx.update(updates, state, params)
+        assert out is updates
+        params = optax.apply_updates(params, updates)
+        want = jax.tree.map(lambda e, p: 0.75 * e + 0.25 * np.asarray(p), want, params)
+    for k in want:
+        np.testing.assert_allclose(np.asarray(loop.ema_params(state)[k]), want[k], rtol=1e-6)
+    with pytest.raises(ValueError, match="ema_decay"):
+        loop.param_ema(1.0)
+
+    task = toy_task()
+    config = tiny_config("softmax")
+    config.ema_decay = 0.5
+    config.mesh_shape = (1, 2)  # FSDP: "embed" params are split over 2 devices
+    trainer = Trainer(config, task, devices=jax.devices()[:2])
+    ema_shardings = loop.ema_params(trainer.state_shardings.opt_state)
+    param_shardings = trainer.state_shardings.params
+    assert jax.tree.structure(ema_shardings) == jax.tree.structure(param_shardings)
+    assert jax.tree.leaves(ema_shardings) == jax.tree.leaves(param_shardings)
+    assert any(s.spec != PartitionSpec() for s in jax.tree.leaves(param_shardings))
+    state = trainer.init_state()
+    want = jax.device_get(state.params)
+    keys = (*trainer.input_keys, "targets")
+    for step in range(3):
+        batch = trainer.to_global(task.train_batch(step, config.batch_size, seed=0), keys)
+        state, _ = trainer.train_step(state, batch)
+        want = jax.tree.map(lambda e, p: 0.5 * e + 0.5 * p, want, jax.device_get(state.params))
+    got = jax.device_get(trainer.eval_params(state))
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+    ema_eval = trainer.evaluate(state, "val", num_batches=1)
+    raw = dataclasses.replace(state, opt_state=trainer.init_state().opt_state[:-1])
+    assert loop.ema_params(raw.opt_state) is None and trainer.eval_params(raw) is raw.params
+    raw_eval = trainer.evaluate(raw, "val", num_batches=1)
+    assert ema_eval["loss"] != raw_eval["loss"]

@@ -61,7 +61,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax
 import flax.linen as nn
@@ -200,8 +200,51 @@ def learning_rate_schedule(config) -> optax.Schedule:
     return schedule
 
 
+class ParamEmaState(NamedTuple):
+    """State of `param_ema`: the moving average, a tree shaped like the params."""
+
+    ema: Any
+
+
+def param_ema(decay: float) -> optax.GradientTransformation:
+    """Exponential moving average of the parameters, kept in the optimizer state.
+
+    The last link of a chain: ``update(updates, state, params)`` passes the updates through
+    unchanged and sets ``ema <- decay * ema + (1 - decay) * (params + updates)``, i.e. the
+    average of the parameters *after* each step; ``ema`` starts at the initial params (no
+    bias correction, as DeiT / timm's ``ModelEma``). Being optimizer state, it is sharded
+    like the params and checkpointed with them. `ema_params` reads it back.
+    """
+    if not 0.0 < decay < 1.0:
+        raise ValueError(f"ema_decay must be in (0, 1), got {decay}")
+
+    def init(params):
+        return ParamEmaState(ema=jax.tree.map(lambda p: p, params))
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("param_ema needs the params: call tx.update(grads, state, params)")
+        ema = jax.tree.map(
+            lambda e, p, u: decay * e + (1.0 - decay) * (p + u), state.ema, params, updates
+        )
+        return updates, ParamEmaState(ema=ema)
+
+    return optax.GradientTransformation(init, update)
+
+
+def ema_params(opt_state):
+    """The `param_ema` average inside `opt_state`, or None when the chain keeps none."""
+    found = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ParamEmaState))
+        if isinstance(s, ParamEmaState)
+    ]
+    return found[0].ema if found else None
+
+
 def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """adamw(schedule) with LRA's betas, global-norm clipping, and a weight-decay mask.
+    """adamw(schedule) with LRA's betas, global-norm clipping, a weight-decay mask and, when
+    ``config.ema_decay > 0``, a parameter EMA (`param_ema`).
 
     Decayed: params with ``ndim >= 2`` (kernels, embeddings), except biases and norm scales
     of any rank (the q/k/v projections' biases are ``[heads, head_dim]``), attention-mechanism
@@ -235,6 +278,8 @@ def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule
             mask=decay_mask,
         )
     )
+    if float(config.get("ema_decay", 0.0) or 0.0) > 0.0:
+        parts.append(param_ema(float(config.ema_decay)))
     return optax.chain(*parts), schedule
 
 
@@ -415,9 +460,16 @@ class Trainer:
         return shard_lib.global_batch({k: batch[k] for k in keys}, self.batch_sharding)
 
     # -------------------------------------------------------------- evaluation
+    def eval_params(self, state: TrainState):
+        """The params evaluation uses: the EMA when ``config.ema_decay > 0``, else the params."""
+        ema = ema_params(state.opt_state)
+        return state.params if ema is None else ema
+
     def evaluate(self, state: TrainState, split: str, num_batches: int = -1) -> dict[str, float]:
-        """``sum / count`` of every loss term over ``split`` (or its first ``num_batches``)."""
+        """``sum / count`` of every loss term over ``split`` (or its first ``num_batches``),
+        with `eval_params` (the parameter EMA when one is kept)."""
         keys = self.eval_keys
+        params = self.eval_params(state)
         totals, labels = None, []
         it = self.data.eval_batches(
             split,
@@ -428,7 +480,7 @@ class Trainer:
         for i, batch in enumerate(it):
             if 0 <= num_batches <= i:
                 break
-            out = self.eval_step(state.params, state.extra, self.to_global(batch, keys))
+            out = self.eval_step(params, state.extra, self.to_global(batch, keys))
             totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
             if "targets" in batch and np.ndim(batch["targets"]) == 1:
                 labels.append(np.asarray(batch["targets"])[np.asarray(batch["mask"])])
@@ -765,14 +817,17 @@ def format_summary(summary: Mapping[str, Any]) -> str:
 __all__ = [
     "LRA_WORKLOAD",
     "WORKLOADS",
+    "ParamEmaState",
     "Trainer",
     "TrainState",
     "Workload",
     "classification_loss",
+    "ema_params",
     "format_summary",
     "get_workload",
     "learning_rate_schedule",
     "make_optimizer",
     "maybe_initialize_distributed",
+    "param_ema",
     "train_and_evaluate",
 ]

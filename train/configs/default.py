@@ -75,6 +75,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.b2 = 0.98  # Adam beta2 (LRA)
     c.eps = 1e-9  # Adam epsilon (LRA)
     c.grad_clip_norm = 1.0  # global-norm clipping; 0 or None disables
+    c.ema_decay = 0.0  # > 0: keep an EMA of the params (in the optimizer state) and evaluate it
     c.label_smoothing = 0.0  # classification cross-entropy label smoothing
 
     # --- evaluation, logging, checkpoints
