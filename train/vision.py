@@ -23,9 +23,11 @@ seeded by ``(seed, stream position)`` (grain ``random_map``), so the stream is r
 ImageNet -- Inception-style random-resized crop (scale (0.08, 1), ratio (3/4, 4/3)) to
 ``image_size`` and a horizontal flip; evaluation -- resize the short side to
 ``image_size / 0.875`` and centre-crop. CIFAR -- 4-pixel zero-padded random crop and a
-flip; evaluation -- the image. Mixup / CutMix (DeiT: 0.8 / 1.0, switch 0.5) are applied on
-device inside the model in training mode (`mix_images`, rng stream ``dropout``) and the
-labels mixed in the loss (`vit_loss`).
+flip; evaluation -- the image. Optionally (DeiT) then RandAugment (`rand_augment`,
+``rand-m9-mstd0.5-inc1``) and random erasing (`random_erasing`, 0.25), training only.
+Mixup / CutMix (DeiT: 0.8 / 1.0, switch 0.5) are applied on device inside the model in
+training mode (`mix_images`, rng stream ``dropout``) and the labels mixed in the loss
+(`vit_loss`).
 """
 
 from __future__ import annotations
@@ -308,6 +310,237 @@ def pad_crop_flip(img: np.ndarray, rng: np.random.Generator, pad: int = 4) -> np
     return out[:, ::-1] if rng.random() < 0.5 else out
 
 
+# ---------------------------------------------------------------- RandAugment, random erasing
+RAND_AUGMENT_OPS = (
+    "AutoContrast",
+    "Equalize",
+    "Invert",
+    "Rotate",
+    "PosterizeIncreasing",
+    "SolarizeIncreasing",
+    "SolarizeAdd",
+    "ColorIncreasing",
+    "ContrastIncreasing",
+    "BrightnessIncreasing",
+    "SharpnessIncreasing",
+    "ShearX",
+    "ShearY",
+    "TranslateXRel",
+    "TranslateYRel",
+)
+# DeiT's fill: its timm transform passes the ImageNet mean (timm's own default is 128 grey)
+RAND_AUGMENT_FILL = (124, 116, 104)
+MAX_MAGNITUDE = 10.0
+# ops whose argument takes a random sign (timm's ``_randomly_negate``)
+_SIGNED_OPS = frozenset(
+    {
+        "Rotate",
+        "ColorIncreasing",
+        "ContrastIncreasing",
+        "BrightnessIncreasing",
+        "SharpnessIncreasing",
+        "ShearX",
+        "ShearY",
+        "TranslateXRel",
+        "TranslateYRel",
+    }
+)
+
+
+def rand_augment_arg(op: str, magnitude: float, negate: bool = False):
+    """The argument of RandAugment op `op` at `magnitude` in ``[0, 10]`` (see `rand_augment`);
+    `negate` flips the sign of the signed ops. None for AutoContrast / Equalize / Invert."""
+    if op not in RAND_AUGMENT_OPS:
+        raise ValueError(f"RandAugment op must be one of {RAND_AUGMENT_OPS}, got {op!r}")
+    level = float(magnitude) / MAX_MAGNITUDE
+    sign = -1.0 if negate else 1.0
+    if op == "Rotate":
+        return sign * level * 30.0
+    if op == "PosterizeIncreasing":
+        return 4 - int(level * 4)
+    if op == "SolarizeIncreasing":
+        return 256 - int(level * 256)
+    if op == "SolarizeAdd":
+        return int(level * 110)
+    if op.endswith("Increasing"):  # Color / Contrast / Brightness / Sharpness
+        return max(0.1, 1.0 + sign * level * 0.9)
+    if op in ("ShearX", "ShearY"):
+        return sign * level * 0.3
+    if op in ("TranslateXRel", "TranslateYRel"):
+        return sign * level * 0.45
+    return None
+
+
+def _to_pil(img: np.ndarray):
+    from PIL import Image
+
+    img = np.asarray(img)
+    if img.dtype != np.uint8 or img.ndim != 3 or img.shape[-1] not in (1, 3):
+        raise ValueError(f"want a uint8 [H, W, C] image with C 1 or 3, got {img.dtype} {img.shape}")
+    return Image.fromarray(np.ascontiguousarray(img[..., 0] if img.shape[-1] == 1 else img))
+
+
+def _from_pil(pil) -> np.ndarray:
+    out = np.array(pil, dtype=np.uint8)
+    return out[..., None] if out.ndim == 2 else out
+
+
+def _apply_op(pil, op: str, arg, fill):
+    """One RandAugment op on a PIL image (mode ``L`` or ``RGB``) with its argument `arg`."""
+    from PIL import Image, ImageEnhance, ImageOps
+
+    fill = int(round(sum(fill) / len(fill))) if pil.mode == "L" else tuple(int(v) for v in fill)
+    bands = len(pil.getbands())
+    geometric = {"resample": Image.BICUBIC, "fillcolor": fill}
+    w, h = pil.size
+    if op == "AutoContrast":
+        return ImageOps.autocontrast(pil)
+    if op == "Equalize":
+        return ImageOps.equalize(pil)
+    if op == "Invert":
+        return ImageOps.invert(pil)
+    if op == "Rotate":  # counter-clockwise about the centre
+        return pil.rotate(arg, **geometric)
+    if op == "PosterizeIncreasing":  # keep the top `arg` bits (0 bits: black)
+        mask = (0xFF << (8 - arg)) & 0xFF
+        return pil.point([i & mask for i in range(256)] * bands)
+    if op == "SolarizeIncreasing":
+        return ImageOps.solarize(pil, arg)  # 255 - x where x >= arg
+    if op == "SolarizeAdd":
+        return pil.point([min(255, i + arg) if i < 128 else i for i in range(256)] * bands)
+    if op.endswith("Increasing"):
+        return getattr(ImageEnhance, op[: -len("Increasing")])(pil).enhance(arg)
+    # affine: output pixel (x, y) samples the input at (a x + b y + c, d x + e y + f)
+    coeffs = {
+        "ShearX": (1, arg, 0, 0, 1, 0),
+        "ShearY": (1, 0, 0, arg, 1, 0),
+        "TranslateXRel": (1, 0, arg * w, 0, 1, 0),
+        "TranslateYRel": (1, 0, 0, 0, 1, arg * h),
+    }[op]
+    return pil.transform(pil.size, Image.Transform.AFFINE, coeffs, **geometric)
+
+
+def rand_augment_op(
+    img: np.ndarray,
+    op: str,
+    magnitude: float,
+    *,
+    negate: bool = False,
+    fill: tuple[int, ...] = RAND_AUGMENT_FILL,
+) -> np.ndarray:
+    """One op of `rand_augment` at a fixed magnitude and sign: uint8 ``[H, W, C] -> [H, W, C]``."""
+    return _from_pil(_apply_op(_to_pil(img), op, rand_augment_arg(op, magnitude, negate), fill))
+
+
+def rand_augment(
+    img: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    num_ops: int = 2,
+    magnitude: float = 9.0,
+    magnitude_std: float = 0.5,
+    prob: float = 0.5,
+    fill: tuple[int, ...] = RAND_AUGMENT_FILL,
+) -> np.ndarray:
+    """RandAugment (Cubuk et al. 2020) as in DeiT: timm's ``rand-m9-mstd0.5-inc1``.
+
+    Draws `num_ops` ops uniformly with replacement from `RAND_AUGMENT_OPS` (timm's
+    "increasing" set); each is applied with probability `prob` at a magnitude drawn from
+    ``N(magnitude, magnitude_std)`` (fixed when ``magnitude_std = 0``) clipped to
+    ``[0, 10]``; the ops marked ± take a random sign. Level ``l = m / 10``:
+
+    ====================  ==================================================  ==============
+    op                    argument at magnitude m                             m = 9
+    ====================  ==================================================  ==============
+    AutoContrast          -- (stretch each channel to 0..255)                 --
+    Equalize              -- (histogram equalisation per channel)             --
+    Invert                -- (255 - x)                                        --
+    Rotate                ± 30 l degrees, about the centre                    ± 27
+    PosterizeIncreasing   keep the top ``4 - int(4 l)`` bits                  1 bit
+    SolarizeIncreasing    ``255 - x`` where ``x >= 256 - int(256 l)``         x >= 26
+    SolarizeAdd           ``min(x + int(110 l), 255)`` where ``x < 128``      + 99
+    ColorIncreasing       saturation factor ``max(0.1, 1 ± 0.9 l)``           0.19 / 1.81
+    ContrastIncreasing    contrast factor, as Color                           0.19 / 1.81
+    BrightnessIncreasing  brightness factor, as Color                         0.19 / 1.81
+    SharpnessIncreasing   sharpness factor, as Color                          0.19 / 1.81
+    ShearX / ShearY       shear ± 0.3 l (about the top-left corner)           ± 0.27
+    TranslateXRel / YRel  shift ± 0.45 l of the width / height                ± 0.405
+    ====================  ==================================================  ==============
+
+    Factors are PIL ``ImageEnhance`` blends (1 = identity). Geometric ops resample
+    bicubically (DeiT's interpolation) and fill uncovered pixels with `fill`. Magnitude 0 is
+    the identity for every op but AutoContrast, Equalize, Invert and Posterize (4 bits).
+    ``uint8 [H, W, C] -> uint8 [H, W, C]``, C 1 (PIL mode ``L``, fill the mean of `fill`)
+    or 3.
+    """
+    pil = _to_pil(img)
+    for i in rng.integers(0, len(RAND_AUGMENT_OPS), size=int(num_ops)):
+        if rng.random() >= prob:
+            continue
+        m = float(magnitude)
+        if magnitude_std > 0:
+            m = float(rng.normal(magnitude, magnitude_std))
+        m = min(max(m, 0.0), MAX_MAGNITUDE)
+        op = RAND_AUGMENT_OPS[int(i)]
+        negate = op in _SIGNED_OPS and rng.random() < 0.5
+        pil = _apply_op(pil, op, rand_augment_arg(op, m, negate), fill)
+    return _from_pil(pil)
+
+
+def _pixel_stats(channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel (mean, std) in 0..255 units, as `ViT` normalises C channels."""
+    if channels == 3:
+        return np.asarray(IMAGENET_MEAN, np.float32), np.asarray(IMAGENET_STD, np.float32)
+    return np.full((channels,), 127.5, np.float32), np.full((channels,), 127.5, np.float32)
+
+
+def random_erasing(
+    img: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    prob: float = 0.25,
+    area: tuple[float, float] = (0.02, 1 / 3),
+    ratio: tuple[float, float] = (0.3, 1 / 0.3),
+    attempts: int = 10,
+) -> np.ndarray:
+    """DeiT's random erasing (Zhong et al. 2020; timm ``RandomErasing(0.25, mode="pixel")``).
+
+    With probability `prob`, one rectangle -- area fraction ~ U(area), log aspect (h / w) ~
+    U(log ratio), rounded sides, strictly inside the image, up to `attempts` draws (none
+    erased if all miss) -- is filled with per-pixel noise. timm draws N(0, 1) on the
+    normalised image; our pipeline emits pixels and `ViT` normalises, so a uint8 image gets
+    the equivalent ``round(clip(mean_c + std_c * N(0, 1), 0, 255))`` with the channel's
+    mean / std in pixel units (`IMAGENET_MEAN` / `IMAGENET_STD`; 127.5 / 127.5 unless C = 3).
+    The clip truncates the tails (the representable range is -2.1..2.2 sigma for red,
+    -1.8..2.6 for blue; -1..1 when C != 3), so after normalisation the fill has mean
+    0.002-0.013 and std 0.965-0.975 (C != 3: 0 and 0.72) instead of 0 and 1.
+    A float image is taken as already normalised and gets N(0, 1) (timm exactly).
+    ``[H, W, C] -> [H, W, C]``, same dtype (a copy when erased).
+    """
+    if rng.random() >= prob:
+        return img
+    h, w, c = img.shape
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(attempts):
+        target = h * w * rng.uniform(*area)
+        aspect = math.exp(rng.uniform(log_lo, log_hi))
+        eh = int(round(math.sqrt(target * aspect)))
+        ew = int(round(math.sqrt(target / aspect)))
+        if 0 < eh < h and 0 < ew < w:
+            top = int(rng.integers(0, h - eh + 1))
+            left = int(rng.integers(0, w - ew + 1))
+            noise = rng.standard_normal((eh, ew, c), dtype=np.float32)
+            if np.issubdtype(img.dtype, np.floating):
+                patch = noise.astype(img.dtype)
+            else:
+                mean, std = _pixel_stats(c)
+                patch = np.clip(np.rint(mean + std * noise), 0, 255).astype(img.dtype)
+            out = np.array(img, copy=True)
+            out[top : top + eh, left : left + ew] = patch
+            return out
+    return img
+
+
 # ============================================================================ data
 @dataclasses.dataclass(frozen=True, eq=False)
 class ImageTask:
@@ -325,6 +558,9 @@ class ImageTask:
       image_size: ``(H, W)`` of the batches.
       channels: C.
       augment: ``"inception"`` (ImageNet), ``"pad_crop"`` (CIFAR) or ``"none"``.
+      randaugment: ``(num_ops, magnitude, magnitude_std)`` of `rand_augment` (DeiT:
+        ``(2, 9, 0.5)``) or None; applied to training examples after `augment`.
+      random_erasing: probability of `random_erasing` (DeiT: 0.25), after RandAugment.
       flatten: batches hold int32 ``[B, H*W*C]`` pixel rows instead of uint8 images.
     """
 
@@ -334,6 +570,8 @@ class ImageTask:
     image_size: tuple[int, int]
     channels: int = 3
     augment: str = "pad_crop"
+    randaugment: tuple[int, float, float] | None = None
+    random_erasing: float = 0.0
     flatten: bool = False
     crop_fraction: float = 0.875
     batch_size: int = 32
@@ -342,6 +580,12 @@ class ImageTask:
 
     input_keys = ("inputs",)
     is_pair = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "randaugment", _randaugment_arg(self.randaugment, "randaugment"))
+        object.__setattr__(
+            self, "random_erasing", _probability_arg(self.random_erasing, "random_erasing")
+        )
 
     @property
     def seq_len(self) -> int:
@@ -386,6 +630,17 @@ class ImageTask:
             img = _resize(img, self.image_size)
         else:
             raise ValueError(f"augment must be inception, pad_crop or none, got {self.augment!r}")
+        if self.randaugment is not None:
+            num_ops, magnitude, magnitude_std = self.randaugment
+            img = rand_augment(
+                img,
+                rng,
+                num_ops=num_ops,
+                magnitude=magnitude,
+                magnitude_std=magnitude_std,
+            )
+        if self.random_erasing > 0:
+            img = random_erasing(img, rng, prob=self.random_erasing)
         return self._finish(img, record["label"])
 
     def eval_example(self, record) -> dict[str, np.ndarray]:
@@ -499,6 +754,41 @@ class _Subset:
         return self.src[int(self.indices[int(i)])]
 
 
+def _randaugment_arg(value, key: str) -> tuple[int, float, float] | None:
+    """`value` as ``(num_ops, magnitude, magnitude_std)``, checked, or None."""
+    if value is None:
+        return None
+    msg = (
+        f"{key} must be None or (num_ops, magnitude, magnitude_std) with num_ops a positive "
+        f"int, magnitude in [0, {MAX_MAGNITUDE:g}] and magnitude_std a finite number >= 0 "
+        f"(DeiT: (2, 9, 0.5)), got {value!r}"
+    )
+    try:
+        num_ops, magnitude, magnitude_std = value
+    except (TypeError, ValueError):
+        raise ValueError(msg) from None
+    numbers = (int, float, np.integer, np.floating)
+    if (
+        any(isinstance(v, bool) or not isinstance(v, numbers) for v in value)
+        or int(num_ops) != num_ops
+        or num_ops < 1
+        or not 0 <= magnitude <= MAX_MAGNITUDE
+        or not (math.isfinite(magnitude_std) and magnitude_std >= 0)
+    ):
+        raise ValueError(msg)
+    return int(num_ops), float(magnitude), float(magnitude_std)
+
+
+def _probability_arg(value, key: str) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, np.integer, np.floating))
+        or not 0 <= value <= 1
+    ):
+        raise ValueError(f"{key} must be a probability in [0, 1] (0 = off), got {value!r}")
+    return float(value)
+
+
 def _subset(src, size, seed):
     if size is None or size >= len(src):
         return src
@@ -512,7 +802,8 @@ def build_image_task(cfg: Mapping[str, Any]) -> ImageTask:
     Keys (all optional): ``dataset``, ``image_size`` (default 224 / 32), ``data_dir`` /
     ``tfds_data_dir`` (the tfds data dir; ImageNet must be built there from the manual
     download), ``num_train`` / ``num_val`` / ``num_test`` (random subsets), ``augment``,
-    ``crop_fraction``, ``batch_size``, ``seed``, ``flatten``.
+    ``crop_fraction``, ``randaugment`` (None or ``(num_ops, magnitude, magnitude_std)``),
+    ``random_erasing`` (a probability), ``batch_size``, ``seed``, ``flatten``.
 
     Raises:
       DatasetNotFoundError: the data set is not built under the tfds data dir.
@@ -520,6 +811,9 @@ def build_image_task(cfg: Mapping[str, Any]) -> ImageTask:
     from .data.tfds_tasks import tfds_data_dir
 
     name = cfg.get("dataset") or "cifar10"
+    randaugment = _randaugment_arg(cfg.get("randaugment"), "config 'randaugment'")
+    erasing = cfg.get("random_erasing")
+    erasing = _probability_arg(0.0 if erasing is None else erasing, "config 'random_erasing'")
     data_dir = tfds_data_dir(cfg)
     if name == "imagenet2012":
         size = int(cfg.get("image_size") or 224)
@@ -561,6 +855,8 @@ def build_image_task(cfg: Mapping[str, Any]) -> ImageTask:
         num_classes=num_classes,
         image_size=(size, size),
         augment=augment,
+        randaugment=randaugment,
+        random_erasing=erasing,
         flatten=bool(cfg.get("flatten", False)),
         crop_fraction=float(cfg.get("crop_fraction") or 0.875),
         batch_size=_config.positive_int(cfg, "batch_size", 32),
@@ -671,6 +967,8 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "ImageTask",
+    "RAND_AUGMENT_FILL",
+    "RAND_AUGMENT_OPS",
     "ViT",
     "attention_config",
     "build_image_task",
@@ -678,8 +976,12 @@ __all__ = [
     "center_crop",
     "mix_images",
     "pad_crop_flip",
-    "register_workload",
+    "rand_augment",
+    "rand_augment_arg",
+    "rand_augment_op",
+    "random_erasing",
     "random_resized_crop",
+    "register_workload",
     "vit_loss",
 ]
 
