@@ -11,6 +11,7 @@ import pytest
 from train import configs, vision
 
 FILL = vision.RAND_AUGMENT_FILL
+ENHANCE = ("Color", "Contrast", "Brightness", "Sharpness")
 
 
 def _image(shape=(24, 32, 3), seed=0):
@@ -92,15 +93,7 @@ def test_geometric_ops_identity_at_magnitude_zero(op):
 
 
 @pytest.mark.parametrize(
-    "op",
-    [
-        "SolarizeIncreasing",
-        "SolarizeAdd",
-        "ColorIncreasing",
-        "ContrastIncreasing",
-        "BrightnessIncreasing",
-        "SharpnessIncreasing",
-    ],
+    "op", ["SolarizeIncreasing", "SolarizeAdd"] + [f"{x}Increasing" for x in ENHANCE]
 )
 def test_photometric_ops_identity_at_magnitude_zero(op):
     img = _image()

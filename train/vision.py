@@ -332,19 +332,9 @@ RAND_AUGMENT_OPS = (
 RAND_AUGMENT_FILL = (124, 116, 104)
 MAX_MAGNITUDE = 10.0
 # ops whose argument takes a random sign (timm's ``_randomly_negate``)
-_SIGNED_OPS = frozenset(
-    {
-        "Rotate",
-        "ColorIncreasing",
-        "ContrastIncreasing",
-        "BrightnessIncreasing",
-        "SharpnessIncreasing",
-        "ShearX",
-        "ShearY",
-        "TranslateXRel",
-        "TranslateYRel",
-    }
-)
+_UNSIGNED_OPS = ("AutoContrast", "Equalize", "Invert")
+_UNSIGNED_OPS += ("PosterizeIncreasing", "SolarizeIncreasing", "SolarizeAdd")
+_SIGNED_OPS = frozenset(RAND_AUGMENT_OPS) - frozenset(_UNSIGNED_OPS)
 
 
 def rand_augment_arg(op: str, magnitude: float, negate: bool = False):
