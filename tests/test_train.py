@@ -296,7 +296,7 @@ def test_bfloat16_training_steps():
     assert np.all(np.isfinite(l16)) and 0 < abs(l16[0] - l32[0]) < 16 * 2.0**-8 * l32[0]
 
 
-def test_param_ema_is_the_average_of_the_params_after_each_step():
+def test_param_ema_is_the_average_of_the_params_after_each_step(tmp_path):
     """`param_ema` against the recursion written out, and a Trainer that keeps one: sharded
     like the params, evaluated in their place, and the same as the recursion over the
     params the training steps produced."""
@@ -340,3 +340,15 @@ def test_param_ema_is_the_average_of_the_params_after_each_step():
     assert loop.ema_params(raw.opt_state) is None and trainer.eval_params(raw) is raw.params
     raw_eval = trainer.evaluate(raw, "val", num_batches=1)
     assert ema_eval["loss"] != raw_eval["loss"]
+    # checkpointed with the optimizer state: restored bitwise, with the params' shardings
+    ck = ckpt_lib.Checkpointer(tmp_path, async_save=False)
+    ck.save(3, state.as_dict(), {"step": 3})
+    restored, _ = ck.restore_latest(trainer.abstract_sharded_state().as_dict())
+    ck.close()
+    restored = loop.TrainState.from_dict(restored)
+    for x, y in zip(
+        jax.tree.leaves(trainer.eval_params(restored)), jax.tree.leaves(got), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(x), y)
+    shardings = [x.sharding for x in jax.tree.leaves(trainer.eval_params(restored))]
+    assert shardings == jax.tree.leaves(param_shardings)
