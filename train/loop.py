@@ -769,8 +769,9 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     val, test = summary.get("val", {}), summary.get("test", {})
     lines = [
         f"== {summary['task']} ({summary['preset']}) / attention={summary['attention']} ==",
-        f"steps: {summary['steps']} (resumed from {summary['resumed_from']}), "
-        f"params: {summary['params']:,} trainable + {summary['fixed_params']:,} fixed",
+        f"steps: {summary['steps']}"
+        + (f" (resumed from {summary['resumed_from']})" if summary["resumed_from"] else "")
+        + f", params: {summary['params']:,} trainable + {summary['fixed_params']:,} fixed",
     ]
     if summary["train"]:
         lines.append(
