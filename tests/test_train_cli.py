@@ -276,3 +276,75 @@ def test_distill_cli_run_and_transfer(tmp_path, monkeypatch, capsys):
             ]
         )
     assert "training the softmax teacher" not in capsys.readouterr().out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _multiprocess_run(args, workdir, steps, num_processes=2, devices_per_process=2):
+    """``python -m train --distributed`` as `num_processes` local CPU processes (gloo)."""
+    port = _free_port()
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+        JAX_PLATFORMS="cpu",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "train", *args, f"--steps={steps}", f"--workdir={workdir}"]
+            + ["--distributed", f"--set=coordinator_address=127.0.0.1:{port}"]
+            + [f"--set=num_processes={num_processes}", f"--set=process_id={i}"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(num_processes)
+    ]
+    try:
+        outs = [p.communicate(timeout=180)[0].decode() for p in procs]
+    finally:
+        for p in procs:  # a hung process (e.g. a failed cross-process barrier) is killed
+            p.kill()
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    return outs
+
+
+def test_multiprocess_training_and_resume_match_one_process(tmp_path):
+    """Two processes x 2 CPU devices (jax.distributed, gloo collectives), 2 steps, then a
+    second launch resuming to 4: the same metrics as one process over the conftest's 8
+    devices (float32 reductions split differently: rtol 1e-5), one summary, one set of
+    checkpoints (latest and best saved at the same step by both processes)."""
+    data_dir = tmp_path / "data"
+    args = ["--attention=linear_elu", f"--data_dir={data_dir}", *TINY, "--set=data.seq_len=32"]
+    args += ["--set=eval_every=2", "--set=checkpoint_every=2", "--set=async_checkpointing=True"]
+    main([*args, "--steps=4", f"--workdir={tmp_path / 'ref'}"])  # data generated here
+    run = tmp_path / "multi"
+    outs = _multiprocess_run(args, run, steps=2)
+    assert "devices 4 x cpu" in outs[0] and "== listops" in outs[0]
+    assert "== listops" not in outs[1]  # only process 0 prints the summary
+    outs = _multiprocess_run(args, run, steps=4)
+    assert "resuming at step 2" in outs[0]
+    summary = _check_run_outputs(run, 4)
+    assert summary["resumed_from"] == 2
+    ref = json.loads((tmp_path / "ref" / "summary.json").read_text())
+    for split in ("val", "test"):
+        for key in ("loss", "accuracy", "count"):
+            np.testing.assert_allclose(summary[split][key], ref[split][key], rtol=1e-5)
+    train = {
+        r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if r["split"] == "train"
+    }
+    ref_train = {
+        r["step"]: r["loss"]
+        for r in read_jsonl(tmp_path / "ref" / "metrics.jsonl")
+        if r["split"] == "train"
+    }
+    assert sorted(train) == sorted(ref_train) == [1, 2, 3, 4]
+    np.testing.assert_allclose(
+        [train[s] for s in range(1, 5)], [ref_train[s] for s in range(1, 5)], rtol=1e-5
+    )

@@ -107,6 +107,11 @@ class Checkpointer:
             enable_async_checkpointing=self._async,
             create=True,
             cleanup_tmp_directories=True,
+            # Multi-process: the latest and best managers may save the same step at once;
+            # their cross-process barriers must not share names ("already ongoing").
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                barrier_sync_key_prefix=name
+            ),
             **kw,
         )
         return ocp.CheckpointManager(self.workdir / name, options=options)

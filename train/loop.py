@@ -540,12 +540,22 @@ def _maxrss_bytes() -> int:
 
 
 def maybe_initialize_distributed(config) -> None:
-    """``jax.distributed.initialize()`` when ``config.distributed`` or ``$LINATTN_DISTRIBUTED=1``.
+    """``jax.distributed.initialize`` when ``config.distributed`` or ``$LINATTN_DISTRIBUTED=1``.
 
-    Never called for an ordinary single-process run.
+    ``config.coordinator_address`` / ``num_processes`` / ``process_id`` are passed when set
+    (None: detected from the cluster environment). CPU processes exchange collectives with
+    gloo (how the multi-process test runs; accelerators use their own). Never called for an
+    ordinary single-process run; must run before anything touches a jax device.
     """
-    if config.distributed or os.environ.get("LINATTN_DISTRIBUTED") == "1":
-        jax.distributed.initialize()
+    if not (config.distributed or os.environ.get("LINATTN_DISTRIBUTED") == "1"):
+        return
+    if jax.config.jax_cpu_collectives_implementation is None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=config.get("coordinator_address"),
+        num_processes=config.get("num_processes"),
+        process_id=config.get("process_id"),
+    )
 
 
 # ----------------------------------------------------------------------------- the loop

@@ -114,4 +114,9 @@ def get_config() -> ml_collections.ConfigDict:
         ("length", None),
     )
     c.distributed = False  # call jax.distributed.initialize() (multi-host launch)
+    # jax.distributed.initialize arguments; None: detected from the cluster (SLURM, Open MPI,
+    # Cloud TPU, ...; $JAX_COORDINATOR_ADDRESS for the address)
+    c.coordinator_address = ml_collections.FieldReference(None, field_type=str)  # "host:port"
+    c.num_processes = ml_collections.FieldReference(None, field_type=int)
+    c.process_id = ml_collections.FieldReference(None, field_type=int)
     return c
