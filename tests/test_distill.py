@@ -356,3 +356,16 @@ def test_feature_map_files_check_the_student(tmp_path):
         distill.load_feature_maps(tmp_path / "missing.msgpack")
     with pytest.raises(ValueError, match="feature-map mechanism"):
         distill.student_config(_config("softmax", 1), "nystromformer")
+
+
+def test_variables_of_uses_the_evaluated_params():
+    """A teacher trained with a parameter EMA is evaluated with the EMA: distillation must
+    capture its attention from the same weights."""
+    params = {"w": jnp.ones(3)}
+    ema_state = loop.param_ema(0.5).init({"w": jnp.zeros(3)})
+    state = loop.TrainState(step=0, params=params, extra={"fixed": {}}, opt_state=(ema_state,))
+    got = distill.variables_of(state)
+    np.testing.assert_array_equal(got["params"]["w"], np.zeros(3))
+    assert got["fixed"] == {}
+    state = state.replace(opt_state=())
+    np.testing.assert_array_equal(distill.variables_of(state)["params"]["w"], np.ones(3))

@@ -484,8 +484,12 @@ def student_config(config, student: str, attention_config: Mapping[str, Any] | N
 
 
 def variables_of(state) -> dict:
-    """``{"params": ..., **extra}`` of a `train.loop.TrainState`."""
-    return {"params": state.params, **state.extra}
+    """``{"params": ..., **extra}`` of a `train.loop.TrainState`: the params its run evaluates
+    (the parameter EMA when the optimizer keeps one, ``config.ema_decay > 0``)."""
+    from train import loop
+
+    ema = loop.ema_params(state.opt_state)
+    return {"params": state.params if ema is None else ema, **state.extra}
 
 
 def restore(config, workdir, *, data=None, prefer: str = "best"):
