@@ -505,6 +505,9 @@ def lara_attention(
     mu_t = mu[:, t["term_c"]]  # [B, N, H, d]
     log_g_own = jnp.einsum("bthd,bthd->bht", omega, mu_t) - jnp.transpose(_sq_half(mu_t), (0, 2, 1))
     log_bh = log_g_own - _masked_logsumexp(log_g, cvalid, -1)  # [B, H, N]
+    # <= 0 for a valid term (its own proposal is in the sum); an invalid term's value is
+    # unused but could overflow exp, and exp's backward (0 * inf) would then give NaN.
+    log_bh = jnp.where(t["term_valid"][:, None, :], log_bh, 0.0)
 
     alpha = jnp.exp(log_bh)[:, :, None, :]  # [B, H, 1, N]
     if mis == "opt":

@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 from _helpers import SMALL_CONFIG
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import linattn_jax as la
@@ -25,8 +25,11 @@ def cases(draw):
     return name, b, t, h, d, causal, dtype, norm, n_valid, seed
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
+# found by exploration: one valid key of two at norm 10 overflowed an unused LARA term's
+# exp(log alpha), and exp's backward (0 * inf) made the q/k gradients NaN
+@example(("lara", 1, 2, 1, 2, False, jnp.float32, 10.0, [1], 2))
 def test_random_inputs_finite_outputs_and_grads(case):
     name, b, t, h, d, causal, dtype, norm, n_valid, seed = case
     mech = la.get(name).bind(**SMALL_CONFIG.get(name, {}))

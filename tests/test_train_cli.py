@@ -289,11 +289,10 @@ def _free_port() -> int:
 def _multiprocess_run(args, workdir, steps, num_processes=2, devices_per_process=2):
     """``python -m train --distributed`` as `num_processes` local CPU processes (gloo)."""
     port = _free_port()
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
-        JAX_PLATFORMS="cpu",
-    )
+    flags = os.environ.get("XLA_FLAGS", "").split()  # conftest's collective timeouts stay
+    flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
+    flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "train", *args, f"--steps={steps}", f"--workdir={workdir}"]
