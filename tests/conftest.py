@@ -23,6 +23,6 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # HYPOTHESIS_PROFILE=explore draws new ones (and more of them) to look for bugs.
 from hypothesis import settings  # noqa: E402
 
-settings.register_profile("repeatable", derandomize=True, database=None, max_examples=15)
+settings.register_profile("repeatable", derandomize=True, database=None, max_examples=10)
 settings.register_profile("explore", derandomize=False, max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
