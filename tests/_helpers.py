@@ -43,3 +43,9 @@ def init(m, h=2, d=8, seed=1):
 def rel_err(a, b):
     a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
     return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-12))
+
+
+def max_rel_err(got, want):
+    """``max |got - want| / max |want|`` in float32 (error relative to the output's scale)."""
+    got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
+    return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import SMALL_CONFIG
+from _helpers import SMALL_CONFIG, max_rel_err
 from flax import nnx
 
 import linattn_jax as la
@@ -210,7 +210,7 @@ def test_bfloat16_compute_dtype(name):
 
 def _check_close(got, want, name):
     assert bool(jnp.all(jnp.isfinite(got)))
-    err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+    err = max_rel_err(got, want)
     assert err > 1e-4, err  # bf16 was used
     if name not in ("flexformer_n", "laplacian"):
         assert err < 8 * BF16_ULP, err

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import max_rel_err
 from jax.sharding import PartitionSpec
 
 from train import checkpoint as ckpt_lib
@@ -274,7 +275,7 @@ def test_bfloat16_compute(attention):
     variables = m32.init({"params": jax.random.key(0)}, tokens)
     want, got = m32.apply(variables, tokens), m16.apply(variables, tokens)
     assert got.dtype == jnp.float32
-    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    err = max_rel_err(got, want)
     assert 1e-4 < err < 16 * 2.0**-8, err
     with pytest.raises(ValueError, match="model.dtype"):
         c16.model.dtype = "float16"

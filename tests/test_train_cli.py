@@ -52,6 +52,13 @@ def _check_run_outputs(workdir: Path, steps: int, num_val: int = 16):
     return summary
 
 
+def _train_losses(workdir: Path) -> dict[int, float]:
+    """``{step: train loss}`` from a run's metrics.jsonl."""
+    return {
+        r["step"]: r["loss"] for r in read_jsonl(workdir / "metrics.jsonl") if r["split"] == "train"
+    }
+
+
 def _aan_fixture(folder: Path, n: int = 48):
     rng = np.random.default_rng(0)
     words = ["attention", "linear", "kernel", "graph", "parser", "speech", "vision", "tree"]
@@ -138,14 +145,7 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path):
     ref = json.loads((tmp_path / "ref" / "summary.json").read_text())
     # Same step counter, data position and rng stream: the resumed trajectory (per-step
     # train loss after the restart) and the final params are bitwise the uninterrupted ones.
-    resumed = {
-        r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["split"] == "train"
-    }
-    reference = {
-        r["step"]: r["loss"]
-        for r in read_jsonl(tmp_path / "ref" / "metrics.jsonl")
-        if r["split"] == "train"
-    }
+    resumed, reference = _train_losses(run_dir), _train_losses(tmp_path / "ref")
     tail = range(summary["resumed_from"] + 1, steps + 1)
     assert [resumed[s] for s in tail] == [reference[s] for s in tail]
     assert summary["train"]["loss"] == ref["train"]["loss"]
@@ -335,14 +335,7 @@ def test_multiprocess_training_and_resume_match_one_process(tmp_path):
     for split in ("val", "test"):
         for key in ("loss", "accuracy", "count"):
             np.testing.assert_allclose(summary[split][key], ref[split][key], rtol=1e-5)
-    train = {
-        r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if r["split"] == "train"
-    }
-    ref_train = {
-        r["step"]: r["loss"]
-        for r in read_jsonl(tmp_path / "ref" / "metrics.jsonl")
-        if r["split"] == "train"
-    }
+    train, ref_train = _train_losses(run), _train_losses(tmp_path / "ref")
     assert sorted(train) == sorted(ref_train) == [1, 2, 3, 4]
     np.testing.assert_allclose(
         [train[s] for s in range(1, 5)], [ref_train[s] for s in range(1, 5)], rtol=1e-5

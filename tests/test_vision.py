@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import max_rel_err
 
 import linattn_jax as la
 from linattn_jax import registry
@@ -239,7 +240,7 @@ def test_vit_bfloat16_compute():
     want, got = m32.apply(variables, images), m16.apply(variables, images)
     assert got.dtype == jnp.float32
     assert {x.dtype for x in jax.tree.leaves(variables)} == {jnp.dtype(jnp.float32)}
-    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    err = max_rel_err(got, want)
     assert 1e-4 < err < 16 * 2.0**-8, err
 
 
