@@ -219,7 +219,7 @@ def param_ema(decay: float) -> optax.GradientTransformation:
         raise ValueError(f"ema_decay must be in (0, 1), got {decay}")
 
     def init(params):
-        return ParamEmaState(ema=jax.tree.map(lambda p: p, params))
+        return ParamEmaState(ema=params)
 
     def update(updates, state, params=None):
         if params is None:
