@@ -225,3 +225,33 @@ def test_bfloat16_compute_parallel_and_recurrent(attention):
     recurrent = lm.recurrent_logits(m16, variables, tokens)
     assert recurrent.dtype == jnp.float32
     assert float(jnp.max(jnp.abs(recurrent - got))) / scale < bound
+
+
+@pytest.mark.parametrize("attention", ["softmax", "hedgehog"])
+def test_lm_cli_runs_any_causal_mechanism(attention, tmp_path, capsys):
+    """``python -m train.lm --attention X``: the preset's mechanism settings are replaced (the
+    mini preset once passed flexformer's ``num_features`` to every mechanism)."""
+    out = lm.main(
+        [
+            f"--attention={attention}",
+            "--steps=2",
+            f"--workdir={tmp_path / 'run'}",
+            "--no_progress",
+            "--num_tokens=4",
+            f"--set=data.path={_license()}",
+            "--set=data.seq_len=16",
+            "--set=model.num_layers=1",
+            "--set=model.emb_dim=16",
+            "--set=model.qkv_dim=16",
+            "--set=model.num_heads=2",
+            "--set=model.mlp_dim=32",
+            "--set=batch_size=8",
+            "--set=eval_batch_size=8",
+            "--set=num_eval_batches=1",
+            "--set=eval_every=2",
+            "--set=compile_memory_analysis=False",
+        ]
+    )
+    assert out["summary"]["steps"] == 2 and np.isfinite(out["summary"]["val"]["loss"])
+    assert len(out["sample"]) > len("def ")
+    assert f"--- sample ({attention}" in capsys.readouterr().out

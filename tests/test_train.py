@@ -353,3 +353,18 @@ def test_param_ema_is_the_average_of_the_params_after_each_step(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), y)
     shardings = [x.sharding for x in jax.tree.leaves(trainer.eval_params(restored))]
     assert shardings == jax.tree.leaves(param_shardings)
+
+
+def test_batch_not_divisible_by_data_devices_is_a_clear_error():
+    from train import sharding
+
+    config = configs.get_config("listops", "mini")
+    mesh = sharding.make_mesh(config, jax.devices()[:8])
+    config.batch_size = 12
+    with pytest.raises(ValueError, match=r"batch_size=12 must be a multiple of the 8 devices"):
+        sharding.batch_sharding(mesh, config)
+    config.batch_size, config.eval_batch_size = 16, 4
+    with pytest.raises(ValueError, match=r"eval_batch_size=4"):
+        sharding.batch_sharding(mesh, config)
+    config.eval_batch_size = 8
+    assert sharding.batch_sharding(mesh, config).spec == PartitionSpec(tuple(config.data_axes))

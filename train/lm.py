@@ -885,8 +885,7 @@ def main(argv=None) -> dict:
     p.add_argument("--no_progress", action="store_true")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
 
-    config = configs.get_config("lm", args.preset)
-    config.attention = args.attention
+    config = configs.set_attention(configs.get_config("lm", args.preset), args.attention)
     if args.steps is not None:
         config.num_train_steps = args.steps
     if args.no_progress:

@@ -60,8 +60,23 @@ def rules(config) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
 
 
 def batch_sharding(mesh: Mesh, config) -> NamedSharding:
-    """Batch dimension over ``config.data_axes``, the rest replicated."""
-    return NamedSharding(mesh, PartitionSpec(tuple(config.data_axes)))
+    """Batch dimension over ``config.data_axes``, the rest replicated.
+
+    Raises:
+      ValueError: ``batch_size`` or ``eval_batch_size`` is not a multiple of the number of
+        devices the data axes span.
+    """
+    axes = tuple(config.data_axes)
+    ways = int(np.prod([mesh.shape[a] for a in axes]))
+    for key in ("batch_size", "eval_batch_size"):
+        size = config.get(key)
+        if size is not None and int(size) % ways:
+            fix = ways * max(1, int(size) // ways)
+            raise ValueError(
+                f"{key}={size} must be a multiple of the {ways} devices of the data axes "
+                f"{axes} (mesh {dict(mesh.shape)}); pass e.g. --set {key}={fix}"
+            )
+    return NamedSharding(mesh, PartitionSpec(axes))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
