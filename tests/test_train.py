@@ -368,3 +368,24 @@ def test_batch_not_divisible_by_data_devices_is_a_clear_error():
         sharding.batch_sharding(mesh, config)
     config.eval_batch_size = 8
     assert sharding.batch_sharding(mesh, config).spec == PartitionSpec(tuple(config.data_axes))
+
+
+def test_metrics_writer_drops_records_past_the_resume_step(tmp_path):
+    from train.metrics import MetricsWriter, read_jsonl
+
+    w = MetricsWriter(tmp_path, tensorboard=False)
+    for step in (10, 20, 30, 40):
+        w.write(step, "train", {"loss": float(step)})
+    w.write(20, "val", {"loss": 1.0})
+    w.write(40, "val", {"loss": 2.0})
+    w.close()
+    w = MetricsWriter(tmp_path, tensorboard=False, resume_step=20)  # crashed after 40, ckpt 20
+    w.write(30, "train", {"loss": -30.0})
+    w.close()
+    raw = read_jsonl(tmp_path / "metrics.jsonl", latest_only=False)
+    assert [(r["split"], r["step"], r["loss"]) for r in raw] == [
+        ("train", 10, 10.0),
+        ("train", 20, 20.0),
+        ("val", 20, 1.0),
+        ("train", 30, -30.0),
+    ]

@@ -148,6 +148,8 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path):
     resumed, reference = _train_losses(run_dir), _train_losses(tmp_path / "ref")
     tail = range(summary["resumed_from"] + 1, steps + 1)
     assert [resumed[s] for s in tail] == [reference[s] for s in tail]
+    raw = read_jsonl(run_dir / "metrics.jsonl", latest_only=False)  # each step written once
+    assert len({(r["split"], r["step"]) for r in raw}) == len(raw)
     assert summary["train"]["loss"] == ref["train"]["loss"]
     assert summary["val"]["accuracy"] == ref["val"]["accuracy"]
     got, want = _params_of(run_dir, steps), _params_of(tmp_path / "ref", steps)

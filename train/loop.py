@@ -609,7 +609,9 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, data=None) -> dict
         if config.compile_memory_analysis and start < num_steps:
             step_fn, mem = trainer.compile_train_step()
 
-        writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, tensorboard=config.tensorboard)
+        writer = metrics_lib.MetricsWriter(
+            workdir, enabled=is_main, tensorboard=config.tensorboard, resume_step=start
+        )
         stack.callback(writer.close)
         progress = metrics_lib.Progress(
             num_steps,

@@ -5,9 +5,11 @@ Every record is one JSON line in ``workdir/metrics.jsonl``::
     {"step": 100, "split": "train", "loss": 2.01, "accuracy": 0.21, "lr": 0.001, ...}
     {"step": 100, "split": "val", "loss": 1.95, "accuracy": 0.24, "count": 500}
 
-A resumed run appends; records of steps redone after a restart supersede the earlier ones
-(``read_jsonl(latest_only=True)``). TensorBoard scalars are written with ``tensorboardX``
-(no TensorFlow needed) under ``workdir/tb`` as ``<split>/<name>``.
+A resumed run appends after dropping the records past the restored step (the steps it redoes;
+``MetricsWriter(resume_step=...)``), so each step appears once; ``read_jsonl(latest_only=True)``
+also keeps only the last record per (split, step) of files written before that rule.
+TensorBoard scalars are written with ``tensorboardX`` (no TensorFlow needed) under
+``workdir/tb`` as ``<split>/<name>``.
 """
 
 from __future__ import annotations
@@ -29,19 +31,34 @@ def _jsonable(v):
 
 
 class MetricsWriter:
-    """Appends records to ``metrics.jsonl`` and (optionally) TensorBoard; no-op if disabled."""
+    """Appends records to ``metrics.jsonl`` and (optionally) TensorBoard; no-op if disabled.
 
-    def __init__(self, workdir: str | Path, *, enabled: bool = True, tensorboard: bool = True):
+    ``resume_step``: the step the run restarts from. Records of later steps (written before a
+    crash, and about to be redone) are dropped from the file first, and TensorBoard purges
+    its events past that step.
+    """
+
+    def __init__(
+        self,
+        workdir: str | Path,
+        *,
+        enabled: bool = True,
+        tensorboard: bool = True,
+        resume_step: int | None = None,
+    ):
         self.enabled = enabled
         self.path = Path(workdir) / "metrics.jsonl"
         self._tb = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None and self.path.exists():
+                _drop_records_after(self.path, int(resume_step))
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
             if tensorboard:
                 from tensorboardX import SummaryWriter
 
-                self._tb = SummaryWriter(str(Path(workdir) / "tb"))
+                purge = None if resume_step is None else int(resume_step) + 1
+                self._tb = SummaryWriter(str(Path(workdir) / "tb"), purge_step=purge)
 
     def write(self, step: int, split: str, values: Mapping[str, Any]) -> None:
         if not self.enabled:
@@ -66,6 +83,18 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Rewrite ``path`` (atomically) without the records of steps after ``step``."""
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    kept = [line for line in lines if int(json.loads(line).get("step", 0)) <= step]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    tmp.replace(path)
 
 
 def read_jsonl(path: str | Path, *, latest_only: bool = True) -> list[dict[str, Any]]:
