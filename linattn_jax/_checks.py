@@ -79,11 +79,20 @@ def check_choice(name: str, key: str, value, choices) -> None:
         raise ValueError(f"{name}: {key} must be one of {list(choices)}, got {value!r}")
 
 
+def require_params(name: str, params, *keys: str) -> None:
+    """Checks that `params` has every one of `keys` (the mechanism's ``init`` makes them)."""
+    for key in keys:
+        if key not in params:
+            raise ValueError(
+                f"{name}: params is missing {key!r}; got keys {sorted(params)} "
+                f"(pass the params returned by la.get({name!r}).init)"
+            )
+
+
 def check_params(name: str, params, expected: dict) -> None:
     """Checks that ``params[key].shape == shape`` for each entry of `expected`."""
+    require_params(name, params, *expected)
     for key, shape in expected.items():
-        if key not in params:
-            raise ValueError(f"{name}: params is missing {key!r}; got keys {sorted(params)}")
         if tuple(params[key].shape) != tuple(shape):
             raise ValueError(
                 f"{name}: params[{key!r}] has shape {tuple(params[key].shape)}, expected "

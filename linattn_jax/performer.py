@@ -81,6 +81,7 @@ def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, quadr
     _checks.check_inputs("performer", q, k, v, mask, causal=causal)
     _checks.check_positive("performer", chunk_size=chunk_size)
     _checks.check_rng("performer", rng, deterministic)
+    _checks.require_params("performer", params, "features")
     w = params["features"]
     h, d = q.shape[2], q.shape[3]
     if w.ndim != 3 or w.shape[0] != h or w.shape[2] != d:

@@ -57,6 +57,7 @@ def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate,
     _checks.check_positive("rfa", chunk_size=chunk_size)
     _checks.check_rng("rfa", rng, deterministic)
     h, d = q.shape[2], q.shape[3]
+    _checks.require_params("rfa", params, "features")
     m = params["features"].shape[1] if params["features"].ndim == 3 else -1
     expected = {"features": (h, m, d), "sigma": (h, d)}
     if gate:

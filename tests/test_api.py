@@ -174,3 +174,11 @@ def test_params_shape_mismatch_names_the_param():
     params = init(la.get("hedgehog"), h=3)
     with pytest.raises(ValueError, match=r"params\['w'\] has shape \(3, 8, 8\)"):
         la.get("hedgehog").attention(q, k, v, params)
+
+
+@pytest.mark.parametrize("name", [n for n in la.names() if init(la.get(n))])
+def test_missing_params_is_a_clear_error(name):
+    """Calling a mechanism without the params its init makes names the missing key."""
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=rf"{name}: params is missing '\w+'; got keys \[\]"):
+        la.get(name).attention(q, k, v, {}, jax.random.key(0))
