@@ -15,13 +15,24 @@ order (any leading tokens, e.g. a CLS token, take no part in the landmarks); it
 is average-pooled to a ``gh x gw`` grid with ``gh = min(isqrt(m), h)`` and
 ``gw = min(m // isqrt(m), w)`` (so ``gh * gw <= m``; 8 x 8 for m = 64), each
 axis split into contiguous segments differing in size by at most one.
+
+Two implementations of the same landmarks. `assignment` + `segment_means` build the dense
+``[B, T, L]`` averaging matrix and multiply by it (``T L D`` multiply-adds per head: as
+much as one of LARA's main products); they are kept as the reference. `landmarks` computes
+the same means without it: a reshape-and-mean when there is no mask and the segments are
+equal (``T`` divisible by ``L`` in 1-D, ``h, w`` divisible by ``gh, gw`` in 2-D), a static
+gather of each segment's tokens (unequal segments, or a 2-D mask), and a segment sum with
+the mask-dependent segment ids otherwise (1-D with a mask). No all-true mask is built when
+`mask` is None.
 """
 
 from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _segments(rank, n, m):
@@ -40,7 +51,7 @@ def num_landmarks(seq_len: int, m: int, grid: tuple[int, int] | None = None) -> 
 
 
 def assignment(seq_len: int, m: int, *, mask=None, batch: int = 1, grid=None):
-    """Averaging weights from tokens to landmarks.
+    """Averaging weights from tokens to landmarks (dense; `landmarks` avoids this matrix).
 
     Args:
       seq_len: T.
@@ -84,14 +95,94 @@ def assignment(seq_len: int, m: int, *, mask=None, batch: int = 1, grid=None):
 
 
 def segment_means(x, weights):
-    """Landmarks ``[B, L, H, D]`` from tokens ``x [B, T, H, D]`` and `assignment` weights."""
+    """Landmarks ``[B, L, H, D]`` of ``x [B, T, H, D]`` from `assignment` weights (dense).
+
+    The reference of `landmarks`, which computes the same means without the matrix.
+    """
     return jnp.einsum("btl,bthd->blhd", weights, x.astype(jnp.float32))
 
 
+def _static_segments(seq_len: int, m: int, grid):
+    """Segment id per position (numpy int, -1: no segment) and the slot count, mask-free."""
+    n_slots = num_landmarks(seq_len, m, grid)
+    if grid is None:
+        return (np.arange(seq_len) * n_slots) // seq_len, n_slots
+    h, w = grid
+    gh = min(math.isqrt(m), h)
+    gw = n_slots // gh
+    pos = np.arange(seq_len) - (seq_len - h * w)
+    row, col = pos // w, pos % w
+    seg = (row * gh) // h * gw + (col * gw) // w
+    return np.where(pos >= 0, seg, -1), n_slots
+
+
+def _gather_sum(x, seg, n_slots):
+    """Per-slot sums of ``x [B, T, ...]`` over the positions with static id ``seg`` (numpy).
+
+    Gathers each slot's tokens into ``[B, L, S_max, ...]`` (padded with a zero row), so no
+    ``[T, L]`` matrix and no scatter: O(T D) work, exact sums.
+    """
+    members = [np.flatnonzero(seg == c) for c in range(n_slots)]
+    width = max(len(ix) for ix in members)
+    pad = x.shape[1]  # index of the appended zero row
+    idx = np.full((n_slots, width), pad, np.int32)
+    for c, ix in enumerate(members):
+        idx[c, : len(ix)] = ix
+    xz = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
+    return jnp.sum(jnp.take(xz, jnp.asarray(idx), axis=1), axis=2)  # [B, L, ...]
+
+
 def landmarks(x, m: int, *, mask=None, grid=None):
-    """Convenience: ``(landmarks [B, L, H, D], landmark_mask [B, L])`` of `x` ``[B, T, H, D]``."""
-    w, lmask = assignment(x.shape[1], m, mask=mask, batch=x.shape[0], grid=grid)
-    return segment_means(x, w), lmask
+    """``(landmarks [B, L, H, D] float32, landmark_mask [B, L])`` of `x` ``[B, T, H, D]``.
+
+    The same values as ``segment_means(x, assignment(...)[0])`` (see the module docstring),
+    without the dense assignment matrix. `mask`: optional ``[B, T]`` bool (True = a real
+    token); `grid`: optional ``(h, w)`` for 2-D pooling.
+    """
+    b, t = x.shape[:2]
+    if m < 1:
+        raise ValueError(f"num_landmarks must be >= 1, got {m}")
+    if mask is not None and mask.shape != (b, t):
+        raise ValueError(f"mask shape {mask.shape} does not match x {x.shape} (want [B, T])")
+    if grid is not None:
+        h, w = grid
+        if h < 1 or w < 1 or h * w > t:
+            raise ValueError(f"grid={grid} must be positive with h * w <= T = {t}")
+    x = x.astype(jnp.float32)
+    seg, n_slots = _static_segments(t, m, grid)
+    if mask is None or grid is not None:
+        # Static segments: reshape-and-mean when they are equal, else a static gather.
+        valid = jnp.ones((b, n_slots), bool)
+        if mask is None and grid is None and t % n_slots == 0:
+            return jnp.mean(x.reshape(b, n_slots, t // n_slots, *x.shape[2:]), axis=2), valid
+        if mask is None and grid is not None:
+            h, w = grid
+            gh = min(math.isqrt(m), h)
+            gw = n_slots // gh
+            if h % gh == 0 and w % gw == 0:
+                img = x[:, t - h * w :].reshape(b, gh, h // gh, gw, w // gw, *x.shape[2:])
+                return jnp.mean(img, axis=(2, 4)).reshape(b, n_slots, *x.shape[2:]), valid
+        if mask is None:
+            counts = np.bincount(seg[seg >= 0], minlength=n_slots)
+            sums = _gather_sum(x, seg, n_slots)
+            return sums / jnp.asarray(counts, jnp.float32)[None, :, None, None], valid
+        mf = mask.astype(jnp.float32)
+        sums = _gather_sum(x * mf[..., None, None], seg, n_slots)
+        counts = _gather_sum(mf, seg, n_slots)  # [B, L]
+        means = sums / jnp.maximum(counts, 1.0)[..., None, None]
+        return means, counts > 0
+    # 1-D with a mask: segment ids depend on each row's unmasked count (as `assignment`).
+    n = jnp.sum(mask, axis=-1, keepdims=True)  # [B, 1]
+    rank = jnp.cumsum(mask, axis=-1) - 1
+    seg_ids = jnp.where(mask, _segments(rank, n, jnp.minimum(n_slots, n)), n_slots)  # [B, T]
+
+    def row(xb, ids):  # one batch row; masked tokens go to the dropped slot n_slots
+        sums = jax.ops.segment_sum(xb, ids, num_segments=n_slots + 1)[:n_slots]
+        cnt = jax.ops.segment_sum(jnp.ones_like(ids, jnp.float32), ids, n_slots + 1)[:n_slots]
+        return sums, cnt
+
+    sums, counts = jax.vmap(row)(x, seg_ids)
+    return sums / jnp.maximum(counts, 1.0)[..., None, None], counts > 0
 
 
 __all__ = ["assignment", "landmarks", "num_landmarks", "segment_means"]
