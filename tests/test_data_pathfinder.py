@@ -1,4 +1,4 @@
-"""Pathfinder: balanced labels, label = pixel connectivity, PNG grid, cache, release reader."""
+"""Pathfinder: the snakes generator (construction, no cheap label feature), cache, reader."""
 
 from __future__ import annotations
 
@@ -19,19 +19,31 @@ def generated(request):
     return request.param, pathfinder.generate(request.param)
 
 
-def test_flood_fill_on_hand_drawn_images():
-    img = np.zeros((12, 12), np.uint8)
-    img[2, [1, 2, 4, 5, 7, 8]] = 255  # dashes with 1-pixel gaps: one path
-    assert pathfinder.endpoints_connected(img, (2, 1), (2, 8))
-    img[5, 1:9] = 255  # a second line 3 rows below: never linked to the first
-    assert not pathfinder.endpoints_connected(img, (2, 1), (5, 8))
-    img2 = np.zeros((12, 12), np.uint8)
-    img2[3, [1, 2, 6, 7]] = 255  # a 3-pixel gap breaks the path
-    assert not pathfinder.endpoints_connected(img2, (3, 1), (3, 7))
-    assert pathfinder.endpoints_connected(img2, (3, 1), (3, 7), link_radius=4)
-    img2[4, [3, 5]] = 128  # diagonal stepping stones within radius 2
-    assert pathfinder.endpoints_connected(img2, (3, 1), (3, 7))
-    assert not pathfinder.endpoints_connected(img2, (3, 1), (0, 0))  # off pixel
+def _auc(feature: np.ndarray, labels: np.ndarray) -> float:
+    """Area under the ROC curve of ``feature`` for ``labels`` (Mann-Whitney, ties halved)."""
+    pos, neg = feature[labels == 1], feature[labels == 0]
+    greater = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    return float(greater / (len(pos) * len(neg)))
+
+
+def test_auc_helper():
+    y = np.arange(200) % 2
+    assert _auc(y.astype(float), y) == 1.0 and _auc(-y.astype(float), y) == 0.0
+    assert _auc(np.ones(200), y) == 0.5
+
+
+def test_render_is_antialiased():
+    """One horizontal paddle and one marker: coverage = clip(half + 0.5 - distance, 0, 1)."""
+    spec = pathfinder.FULL
+    seg = np.array([[[[5.0, 3.0], [5.0, 5.0]], [[20.0, 20.0], [20.0, 20.0]]]])
+    values = np.array([[0.75, 0.75], [1.5, 1.0]])
+    img = pathfinder._render(spec, seg, values)[0].astype(int)
+    assert img[5, 4] == round(0.75 * 255) and img[6, 4] == round(0.25 * 0.75 * 255)
+    assert img[7, 4] == 0 and img[5, 6] == round(0.25 * 0.75 * 255)
+    assert img[20, 20] == 255 and img[21, 21] == round((2.0 - np.sqrt(2)) * 255)
+    assert img[22, 20] == 0
+    assert img[4, 2] == 0 and img[22, 22] == 0  # distance sqrt(2) > 1.25; 2.83 > 2
+    assert (img > 0).sum() == (3 * 3 + 2) + 3 * 3  # paddle (rows 4-6 x cols 3-5, 2 ends), disk
 
 
 def test_balanced_labels_and_shapes(generated):
@@ -43,22 +55,80 @@ def test_balanced_labels_and_shapes(generated):
         s = spec.image_size
         assert d["images"].shape == (n, s, s) and d["images"].dtype == np.uint8
         assert np.bincount(d["labels"], minlength=2).tolist() == [n // 2, n // 2]
-        assert set(np.unique(d["images"]).tolist()) == {0, 255}
+    levels = np.unique(splits["train"]["images"])
+    assert len(levels) > 16, f"only {len(levels)} grey levels: not antialiased"
+    # markers (contrast 1) are the brightest ink, main contours 0.75, distractors 1
+    assert levels.max() == 255
 
 
-def test_label_is_connectivity(generated):
-    """Flood fill along drawn pixels from marker 1 reaches marker 2 iff label == 1."""
+def test_label_from_construction(generated):
+    """Marker 0 sits on the origin of contour o, marker 1 on the terminal tip of contour o
+    (label 1) or of the other main contour (label 0); the origins are seed_distance apart."""
     spec, splits = generated
     d = splits["train"]
-    agree = [
-        pathfinder.endpoints_connected(img, tuple(m[0]), tuple(m[1])) == bool(y)
-        for img, m, y in zip(d["images"], d["markers"], d["labels"], strict=True)
-    ]
-    assert all(agree), f"{agree.count(False)} of {len(agree)} labels disagree with pixels"
-    # the markers are drawn disks (3x3 blocks) on "on" pixels
-    for img, m in zip(d["images"][:20], d["markers"][:20], strict=True):
-        for y, x in m:
-            assert (img[y - 1 : y + 2, x - 1 : x + 2] == 255).all()
+    rows = np.arange(len(d["labels"]))
+    o = d["origin"].astype(int)
+    target = np.where(d["labels"] == 1, o, 1 - o)
+    assert np.array_equal(d["markers"][:, 0], d["tips"][rows, o, 0])
+    assert np.array_equal(d["markers"][:, 1], d["tips"][rows, target, 1])
+    gap = np.linalg.norm(d["tips"][:, 0, 0] - d["tips"][:, 1, 0], axis=-1)
+    assert np.all(np.abs(gap - spec.seed_distance) <= np.sqrt(0.5) + 1e-5)
+    # marker centres are drawn at full contrast
+    centres = np.rint(d["markers"]).astype(int)
+    for m in range(2):
+        assert (d["images"][rows, centres[:, m, 0], centres[:, m, 1]] >= 200).all()
+    assert np.all(d["distractors"] <= spec.num_distractors)
+    assert d["distractors"].mean() > 0.9 * spec.num_distractors
+
+
+def test_contours_follow_the_construction():
+    """Main contours: the paddle spacing and turns of the growth rule, inside the image, apart
+    from each other; distractors touch or cross them in many images (so a flood fill from
+    the pixels would not recover the label, which is why the label comes from the
+    construction)."""
+    spec = FULL_SAMPLE
+    n = 200
+    out = pathfinder.generate_images(
+        spec, np.arange(n) % 2, np.random.default_rng(5), keep_paddles=True
+    )
+    mains, dis = out["main_paddles"], out["distractor_paddles"]
+    length = np.linalg.norm(mains[..., 1, :] - mains[..., 0, :], axis=-1)
+    assert np.allclose(length, spec.paddle_length)
+    assert ((mains >= 0) & (mains <= spec.image_size - 1)).all()
+    # tail of paddle j+1 is ~2 * margin past the head of paddle j (exactly for a straight
+    # continuation, less when turning): within [margin * sqrt(2), 2 * margin] + rounding
+    gap = np.linalg.norm(mains[:, :, 1:, 0] - mains[:, :, :-1, 1], axis=-1)
+    assert gap.min() >= spec.margin * np.sqrt(2) - 1e-6 and gap.max() <= 2 * spec.margin + 1e-6
+    # turns between consecutive paddles below 90 degrees (continuity 1)
+    direction = mains[..., 1, :] - mains[..., 0, :]
+    cos = (direction[:, :, 1:] * direction[:, :, :-1]).sum(-1) / spec.paddle_length**2
+    assert cos.min() > -1e-9
+    # the two main contours never come within the main keep-out radius of each other's heads
+    a = mains[:, 0].reshape(n, -1, 2)[:, :, None]
+    b_tail, b_head = mains[:, 1, :, 0][:, None], mains[:, 1, :, 1][:, None]
+    d = pathfinder._point_segment_distance(a, b_tail, b_head)
+    assert d.min() > spec.paddle_thickness  # no crossing between main contours
+    # distractors do touch the main contours (ink overlaps) in a good share of images
+    drawn = dis[..., 0, 0] < 1e3
+    heads = dis[..., 1, :].reshape(n, -1, 2)
+    seg = mains.reshape(n, -1, 2, 2)
+    near = pathfinder._clearance(heads, seg).reshape(drawn.shape) < spec.paddle_thickness + 0.5
+    assert (near & drawn).any(axis=(1, 2)).mean() > 0.2
+
+
+@pytest.mark.parametrize("spec", [pathfinder.MINI, pathfinder.FULL], ids=["mini", "32px_len14"])
+def test_no_cheap_feature_predicts_the_label(spec):
+    """Marker distance and ink amount are at chance (AUC 0.5 +- 0.05; the AUC's standard
+    error at 2000 balanced examples is 0.013). The old generator failed this (distance
+    AUC 0.66)."""
+    n = 2000
+    labels = np.arange(n) % 2
+    out = pathfinder.generate_images(spec, labels, np.random.default_rng(11))
+    distance = np.linalg.norm(out["markers"][:, 0] - out["markers"][:, 1], axis=-1)
+    ink = out["images"].reshape(n, -1).astype(np.int64).sum(-1)
+    for name, feature in (("marker distance", distance), ("ink", ink)):
+        auc = _auc(feature, labels)
+        assert abs(auc - 0.5) < 0.05, f"{name} predicts the label: AUC {auc:.3f}"
 
 
 def test_same_seed_same_images():
@@ -66,12 +136,36 @@ def test_same_seed_same_images():
     b = pathfinder.generate(dataclasses.replace(MINI_SAMPLE, num_train=40))
     c = pathfinder.generate(dataclasses.replace(MINI_SAMPLE, num_train=40, seed=3))
     for s in pathfinder.SPLITS:
-        for k in ("images", "labels", "markers"):
+        assert a[s].keys() == b[s].keys()
+        for k in a[s]:
             assert np.array_equal(a[s][k], b[s][k])
     assert not np.array_equal(a["train"]["images"], c["train"]["images"])
     # a split does not depend on the sizes of the others
     d = pathfinder.generate(dataclasses.replace(MINI_SAMPLE, num_train=40, num_val=2))
     assert np.array_equal(a["test"]["images"], d["test"]["images"])
+
+
+def test_specs_and_sizes():
+    x = pathfinder.generate_images(
+        dataclasses.replace(pathfinder.PATHX, num_distractors=2),
+        np.array([0, 1]),
+        np.random.default_rng(0),
+    )
+    assert x["images"].shape == (2, 128, 128) and len(np.unique(x["images"])) > 16
+    easy = pathfinder.difficulty_spec("easy")
+    assert (easy.contour_length, easy.distractor_length, easy.num_distractors) == (6, 2, 10)
+    assert pathfinder.difficulty_spec("intermediate").num_distractors == 6
+    spec = pathfinder.spec_from_config({"difficulty": "intermediate", "data_seed": 4})
+    assert (spec.contour_length, spec.seed, spec.image_size) == (9, 4, 32)
+    assert pathfinder.spec_from_config({"variant": "mini", "image_size": 20}).image_size == 20
+    with pytest.raises(ValueError, match="difficulty"):
+        pathfinder.difficulty_spec("medium")
+    with pytest.raises(ValueError, match="seed_distance"):
+        pathfinder.PathfinderSpec(image_size=12, seed_distance=7)
+    with pytest.raises(ValueError, match="even"):
+        pathfinder.PathfinderSpec(num_train=3)
+    with pytest.raises(ValueError, match="labels"):
+        pathfinder.generate_images(pathfinder.MINI, np.array([0, 2]), np.random.default_rng(0))
 
 
 def test_example_grid_png(tmp_path, generated):

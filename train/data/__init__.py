@@ -52,13 +52,15 @@ def get_task(name: str, config: Any = None, **overrides: Any) -> Task:
         - ``source``: ``"generated"`` (default) or ``"lra"`` for listops/pathfinder.
         - ``lra_dir``: the extracted LRA ``lra_release/`` folder (default
           ``data_dir/lra_release``); ``listops_dir``, ``pathfinder_dir``, ``aan_dir``:
-          direct folders; ``difficulty`` (pathfinder release: easy/intermediate/hard).
+          direct folders; ``difficulty`` (pathfinder: easy/intermediate/hard, the
+          release folder or the generated contour length 6/9/14).
         - ``tfds_data_dir``: tfds data dir for text/image (default ``data_dir``).
         - ``num_train``/``num_val``/``num_test``: split sizes (generation, or subsets).
         - listops: ``min_length``, ``max_length``, ``max_depth``, ``max_args``,
-          ``value_p``; pathfinder: ``image_size``, ``contour_length``,
-          ``distractor_length``, ``num_distractors``, ``dash_length``, ``gap``,
-          ``max_turn_degrees``; text/retrieval: ``add_cls``, ``add_eos``; image:
+          ``value_p``; pathfinder: any ``PathfinderSpec`` field (``image_size``,
+          ``contour_length``, ``distractor_length``, ``num_distractors``,
+          ``paddle_length``, ``margin``, ``seed_distance``, ...); text/retrieval:
+          ``add_cls``, ``add_eos``; image:
           ``downsample``; generated tasks: ``generate=False`` to fail instead of
           generating a missing cache.
       **overrides: keys that replace those of ``config``.

@@ -1,37 +1,71 @@
-"""Pathfinder (LRA ``pathfinder32``): numpy generator, connectivity check, release reader.
+"""Pathfinder (LRA ``pathfinder32``): a snakes generator built like LRA's, and a release reader.
 
-Task: a grayscale image holds two marked endpoints (small disks) and several curved,
-dashed contours; the label is 1 when one contour joins the two markers, 0 when they sit
-on two different contours. Sequence models read the image flattened row-major, pixel
-values 0..255 as tokens (``vocab_size = 256``, ``seq_len = H * W``).
+Task: a grayscale image holds two round markers and several curved contours made of short
+antialiased line segments ("paddles"); the label is 1 when both markers sit on the same
+contour, 0 when they sit on two different ones. Sequence models read the image flattened
+row-major, pixel values 0..255 as tokens (``vocab_size = 256``, ``seq_len = H * W``).
 
-Our generator (numpy only, vectorised across images) follows the shape of Linsley et
-al.'s generator as LRA configured it for pathfinder32 (marker radius 1.5, one-pixel
-paddle margins, distractors a third of the contour length, 20 // that many of them) but
-is our own, simpler construction:
+The generator follows the construction of Linsley et al. 2018's "snakes" generator
+(``snakes2.py`` in github.com/drewlinsley/pathfinder), which LRA used for pathfinder32
+with: contour length 14 paddles for "hard" (6 and 9 for the easier splits), distractors
+of ``contour_length // 3`` paddles, ``20 // that`` many of them (4 x 5 at length 14),
+paddle length 2, paddle margin 1, seed distance 7, continuity 1.0, contrast 2 x 0.75,
+marker radius 1.5, 32 x 32 images. It is our own numpy code, vectorised across images:
 
-* A contour is a chain of ``contour_length`` **dashes**; the dash is the unit of contour
-  length, like Linsley's paddles (LRA: 6 = easy, 9 = intermediate, 14 = hard; our full
-  default is 14). Each dash is a straight segment of ``dash_length`` pixels (1.0) followed
-  by a gap of ``gap`` pixels (1.5) in the same direction, so a dash advances 2.5 px and a
-  14-dash contour is 35 px of arc; the direction turns by a uniform angle in
-  ``[-max_turn, max_turn]`` (45 degrees) between dashes. Pixels are the dash points
-  rounded to the grid (1 pixel thick, value 255). (LRA's paddles are 2 px; shorter dashes
-  let two 14-dash contours and the distractors fit in 32x32 with the spacing below.) A
-  contour is drawn first and then moved to a uniformly random position where it fits.
-  The ``mini`` variant: 16x16 images (256 tokens), 5-dash contours, 2 distractors of 2.
-* Every image has two main contours of ``contour_length`` dashes and up to
-  ``num_distractors`` distractor contours of ``distractor_length`` dashes. Positive: the
-  markers (disks of radius 1.5 px, a 3x3 block) sit on both ends of main contour A.
-  Negative: one on an end of A, one on an end of B. Both classes draw the same contours,
-  so only the connection tells them apart. Labels are exactly balanced per split.
-* Guarantee that makes the label checkable from pixels alone: two pixels are *linked*
-  when their Chebyshev distance is at most ``LINK_RADIUS`` (2). Consecutive dashes of a
-  contour are linked (a gap below 2 px moves a rounded point at most 2 px per axis), and
-  different contours (with their marker disks) are placed at least ``LINK_RADIUS + 1``
-  pixels apart (rejection sampling of whole contours). So the markers are connected by
-  linked "on" pixels exactly when label = 1; ``endpoints_connected`` checks it by flood
-  fill.
+* **Paddles.** A paddle is a segment of ``paddle_length`` px drawn with thickness
+  ``paddle_thickness`` and antialiased: a pixel's value is its approximate coverage
+  ``clip(thickness / 2 + 0.5 - d, 0, 1)`` (``d`` = distance from the pixel centre to the
+  segment), times the contour's contrast; overlapping ink takes the maximum.
+* **Growth** (Linsley's ``extend_snake``). A contour keeps a pivot and an orientation;
+  the next pivot is ``paddle_length + 2 * margin`` further along the orientation, and the
+  next paddle runs from ``margin`` to ``margin + paddle_length`` px from it in a new
+  direction ``phi``, so consecutive paddles are separated by a gap of about
+  ``2 * margin``. ``phi`` is drawn among directions one pixel of arc apart on the circle
+  of radius ``paddle_length + margin`` (ours start at a random phase per step: continuous
+  orientations) with probability proportional to ``cos(min(continuity * |phi - theta|,
+  pi / 2)) ** 2``, restricted to paddles inside the image whose head is free (below).
+* **Two main contours** (Linsley's ``two_snakes``). The origin (the tail of the first
+  paddle) of contour 0 is a pixel at least ``2 * seed_distance`` from the border (fewer
+  in small images: see ``_origin_border``); the origin of contour 1 is that point moved
+  ``seed_distance`` px in a uniformly random direction and rounded, so the origins are
+  always ``seed_distance`` (+- rounding) apart. Each grows from the head of its first
+  paddle, the two alternating one paddle at a time, for ``contour_length`` paddles. The
+  two avoid each other: the head and the middle of every new paddle must be more than
+  ``paddle_thickness / 2 + 2 * margin`` px from all earlier paddles (its own last paddle
+  excepted, as Linsley's mask lags one paddle). An image whose main contours get stuck
+  is redrawn.
+* **Distractors** (Linsley's ``make_many_snakes``): ``num_distractors`` contours of
+  ``distractor_length`` paddles, seeded on a uniformly random free pixel and grown the
+  same way, but only a new paddle's head is checked, against a smaller radius
+  (``paddle_thickness / 2 + margin``), so distractors may touch and cross the main
+  contours and each other (as they do in LRA's images). A distractor that gets stuck is
+  retried ``tries`` times and then left out (Linsley: ``allow_incomplete``).
+* **Contrast.** Main-contour paddles get ``snake_contrast * paddle_contrast`` (1 x 0.75:
+  LRA's "2 x 0.75" is the one-entry snake contrast list [1.0] repeated for the two main
+  contours, times the paddle contrast 0.75), distractors ``snake_contrast`` (Linsley
+  passes only the snake contrast to ``make_many_snakes``), markers 1. Linsley's
+  ``imsave`` byte-scaled each image to its own maximum; we divide by the largest
+  possible value, ``max(snake_contrast, 1)``, so an image's grey levels do not depend on
+  its content.
+* **Markers and label** (Linsley's ``from_wrapper``). A disk of radius ``marker_radius``
+  (antialiased like the paddles) goes on the origin of a random main contour ``o``, the
+  other on the terminal tip (the head of the last paddle) of contour ``o`` for label 1 or
+  of contour ``1 - o`` for label 0. The label comes from this construction, never from
+  the pixels: a distractor crossing both main contours does not change it. Both classes
+  draw exactly the same things, and the two origins are a fixed distance apart, so
+  neither the marker distance nor the amount of ink carries the label (measured in
+  ``tests/test_data_pathfinder.py``). Labels are exactly balanced per split.
+
+What Linsley's code does that ours does not: integer pixel heads truncated from the
+circle, a 4x supersampled PIL line resized with Lanczos (ours: analytic coverage), and a
+second rejection test on the whole antialiased paddle mask; we check the head (and for
+main contours the middle) of a paddle against a distance field instead. ``tries`` bounds
+our retries where Linsley's ``max_*_retrial`` do.
+
+Presets: ``FULL`` (LRA pathfinder32 hard, 200k images as 160k/20k/20k), ``difficulty_spec``
+for easy/intermediate/hard (contour length 6/9/14), ``PATHX`` (128 x 128; paddle length 5,
+margin 2, seed distance 20, marker radius 3: our scaling, LRA's Path-X parameters are not
+in its paper), and ``MINI`` (16 x 16 for CPU training, see its comment).
 
 Released data (LRA ``lra_release/pathfinder32/<difficulty>/``, difficulty folder
 ``curv_baseline`` (easy), ``curv_contour_length_9`` (intermediate) or
@@ -51,7 +85,6 @@ import math
 import os
 import re
 import time
-from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -64,7 +97,6 @@ from .pipeline import ArraySource, LazySource, Task
 
 VOCAB_SIZE = 256
 NUM_CLASSES = 2
-LINK_RADIUS = 2
 _BLOCK = 4096  # images generated together
 SPLITS = ("train", "val", "test")
 DIFFICULTY_DIRS = {
@@ -72,14 +104,8 @@ DIFFICULTY_DIRS = {
     "intermediate": "curv_contour_length_9",
     "hard": "curv_contour_length_14",
 }
-_MARKER = np.array([(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1)])  # radius-1.5 disk
-_LINK = np.array(
-    [
-        (dy, dx)
-        for dy in range(-LINK_RADIUS, LINK_RADIUS + 1)
-        for dx in range(-LINK_RADIUS, LINK_RADIUS + 1)
-    ]
-)
+DIFFICULTY_LENGTHS = {"easy": 6, "intermediate": 9, "hard": 14}
+_CANDIDATES = 16  # seed positions tried at once per image
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,241 +113,386 @@ class PathfinderSpec:
     """Generation parameters (defaults: LRA pathfinder32 hard, full size)."""
 
     image_size: int = 32
-    contour_length: int = 14  # dashes per main contour (the difficulty knob)
-    distractor_length: int = 4  # dashes per distractor (LRA: contour_length // 3)
+    contour_length: int = 14  # paddles per main contour (the difficulty knob)
+    distractor_length: int = 4  # paddles per distractor (LRA: contour_length // 3)
     num_distractors: int = 5  # LRA: 20 // distractor_length
-    dash_length: float = 1.0  # pixels
-    gap: float = 1.5  # pixels between dashes (< 2 keeps dashes linked)
-    max_turn_degrees: float = 45.0
+    paddle_length: float = 2.0  # px
+    paddle_thickness: float = 1.5  # px (Linsley's default; LRA's value is not published)
+    margin: float = 1.0  # px; consecutive paddles are ~2 * margin apart
+    seed_distance: float = 7.0  # px between the origins of the two main contours
+    continuity: float = 1.0  # turn weight cos(min(continuity * turn, pi / 2)) ** 2
+    snake_contrast: float = 1.0  # distractors; Linsley repeats this list x 2 (one per main)
+    paddle_contrast: float = 0.75  # main contours: snake_contrast * paddle_contrast
+    marker_radius: float = 1.5
     num_train: int = 160_000  # LRA: 80/10/10 of 200k images
     num_val: int = 20_000
     num_test: int = 20_000
     seed: int = 0
-    tries: int = 40  # candidate contours tried per slot before an image is redrawn
+    tries: int = 8  # attempts per distractor before it is left out
 
     def __post_init__(self):
         if self.image_size < 8:
             raise ValueError(f"image_size must be >= 8, got {self.image_size}")
-        if min(self.contour_length, self.dash_length) <= 0 or self.distractor_length < 0:
-            raise ValueError("contour_length and dash_length must be positive")
-        if not 0.0 <= self.gap < 2.0:
-            raise ValueError(f"gap must be in [0, 2) pixels so dashes stay linked, got {self.gap}")
+        if self.contour_length < 1 or self.distractor_length < 1 or self.num_distractors < 0:
+            raise ValueError(
+                "contour_length and distractor_length must be >= 1 and num_distractors >= 0, "
+                f"got {self.contour_length}, {self.distractor_length}, {self.num_distractors}"
+            )
+        for name in ("paddle_length", "paddle_thickness", "seed_distance", "continuity"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.margin < 0 or self.marker_radius <= 0:
+            raise ValueError(
+                f"need margin >= 0 and marker_radius > 0, got {self.margin}, {self.marker_radius}"
+            )
+        if 2 * self.seed_distance + 2 > self.image_size:
+            raise ValueError(
+                f"seed_distance {self.seed_distance} does not fit in image_size "
+                f"{self.image_size} (need 2 * seed_distance + 2 <= image_size)"
+            )
         for name in ("num_train", "num_val", "num_test"):
             if getattr(self, name) % 2:
                 raise ValueError(f"{name} must be even (balanced), got {getattr(self, name)}")
 
     def cache_name(self) -> str:
         return (
-            f"s{self.image_size}_len{self.contour_length}_d{self.num_distractors}x"
-            f"{self.distractor_length}_dash{self.dash_length:g}_gap{self.gap:g}"
-            f"_turn{self.max_turn_degrees:g}_n{self.num_train}-{self.num_val}-{self.num_test}"
-            f"_seed{self.seed}"
+            f"snakes_s{self.image_size}_len{self.contour_length}_d{self.num_distractors}x"
+            f"{self.distractor_length}_p{self.paddle_length:g}x{self.paddle_thickness:g}"
+            f"m{self.margin:g}_sd{self.seed_distance:g}_c{self.continuity:g}"
+            f"_k{self.snake_contrast:g}x{self.paddle_contrast:g}_r{self.marker_radius:g}"
+            f"_t{self.tries}_n{self.num_train}-{self.num_val}-{self.num_test}_seed{self.seed}"
         )
+
+    @property
+    def main_radius(self) -> float:
+        """Keep-out radius of a main-contour paddle's head and middle."""
+        return self.paddle_thickness / 2 + 2 * self.margin
+
+    @property
+    def distractor_radius(self) -> float:
+        """Keep-out radius of a distractor paddle's head (smaller: they may touch/cross)."""
+        return self.paddle_thickness / 2 + self.margin
+
+
+def difficulty_spec(difficulty: str, **overrides) -> PathfinderSpec:
+    """LRA's pathfinder32 split: contour length 6/9/14, distractors of length // 3, 20 // that."""
+    if difficulty not in DIFFICULTY_LENGTHS:
+        options = tuple(DIFFICULTY_LENGTHS)
+        raise ValueError(f"difficulty must be one of {options}, got {difficulty!r}")
+    length = DIFFICULTY_LENGTHS[difficulty]
+    fields = dict(
+        contour_length=length, distractor_length=length // 3, num_distractors=20 // (length // 3)
+    )
+    return dataclasses.replace(FULL, **{**fields, **overrides})
 
 
 FULL = PathfinderSpec()
+PATHX = PathfinderSpec(
+    image_size=128, paddle_length=5.0, margin=2.0, seed_distance=20.0, marker_radius=3.0
+)
+# MINI: small enough for a 2-core CPU to learn in minutes (measured in the README):
+# 16 x 16, short main contours, two short distractors.
 MINI = PathfinderSpec(
     image_size=16,
-    contour_length=5,
+    contour_length=4,
     distractor_length=2,
     num_distractors=2,
-    num_train=4_000,
-    num_val=500,
-    num_test=500,
+    paddle_length=2.0,
+    margin=1.0,
+    seed_distance=4.0,
+    num_train=8_000,
+    num_val=1_000,
+    num_test=1_000,
 )
 
 
-# ----------------------------------------------------------------------------- generator
-def _contours(
-    rng: np.random.Generator, shape: tuple[int, ...], length: int, spec, markers: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Random dashed contours placed uniformly where they fit.
+# ----------------------------------------------------------------------------- drawing
+_FAR = np.float32(1e4)  # position of paddles not drawn (yet): never near anything
 
-    Returns (pixels int32 ``[*shape, P, 2]`` (y, x) in path order, footprint
-    ``[*shape, F, 2]`` (pixels plus marker disks at both ends if ``markers``), fits bool
-    ``[*shape]``). ``P = length * points_per_dash``; points along a dash are <= 0.5 px
-    apart so the rounded pixels of one dash are 8-connected. The shape is drawn first and
-    then shifted by a uniform integer offset among those that keep its footprint inside
-    the image (``fits`` is False when no offset does).
+
+def _unit(angle: np.ndarray) -> np.ndarray:
+    """(y, x) unit vectors ``[..., 2]`` for angles in radians (y down, like Linsley's)."""
+    return np.stack([np.sin(angle), np.cos(angle)], axis=-1)
+
+
+def _point_segment_distance(p: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Distance from points ``p`` [..., 2] to segments ``a``-``b`` (broadcast) [...]."""
+    aby, abx = b[..., 0] - a[..., 0], b[..., 1] - a[..., 1]
+    apy, apx = p[..., 0] - a[..., 0], p[..., 1] - a[..., 1]
+    len2 = np.maximum(aby * aby + abx * abx, 1e-12)
+    t = np.clip((apy * aby + apx * abx) / len2, 0.0, 1.0)
+    dy, dx = apy - t * aby, apx - t * abx
+    return np.sqrt(dy * dy + dx * dx)
+
+
+def _clearance(p: np.ndarray, segments: np.ndarray) -> np.ndarray:
+    """Distance from points ``p`` [k, P, 2] to the nearest of ``segments`` [k, M, 2, 2]."""
+    if segments.shape[1] == 0:
+        return np.full(p.shape[:-1], np.inf, dtype=np.float32)
+    segments = segments.astype(np.float32)
+    a, b = segments[:, None, :, 0], segments[:, None, :, 1]  # [k, 1, M, 2]
+    return _point_segment_distance(p[:, :, None].astype(np.float32), a, b).min(-1)
+
+
+def _inside(p: np.ndarray, size: int) -> np.ndarray:
+    return ((p >= 0) & (p <= size - 1)).all(axis=-1)
+
+
+def _render(spec: PathfinderSpec, segments: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """uint8 images ``[n, S, S]`` from segments ``[n, M, 2, 2]`` (tail, head; a marker is a
+    segment of length 0) with half widths and contrasts ``values`` ``[M, 2]``.
+
+    A pixel's ink is ``clip(half_width + 0.5 - d, 0, 1) * contrast`` (max over segments),
+    divided by ``max(snake_contrast, 1)``; only a window around each segment is computed.
     """
-    size = spec.image_size
-    per_dash = int(math.ceil(spec.dash_length / 0.5)) + 1
-    turn = math.radians(spec.max_turn_degrees)
-    angle = rng.uniform(0.0, 2 * math.pi, size=(*shape, 1)) + np.cumsum(
-        rng.uniform(-turn, turn, size=(*shape, length)), axis=-1
-    )
-    step = np.stack([np.sin(angle), np.cos(angle)], axis=-1)  # [..., L, 2]
-    advance = (spec.dash_length + spec.gap) * step
-    start = rng.uniform(0.0, 1.0, size=(*shape, 1, 2))  # sub-pixel phase of the rounding
-    dash_start = start + np.cumsum(advance, axis=-2) - advance
-    t = np.linspace(0.0, spec.dash_length, per_dash)  # [m]
-    pts = np.expand_dims(dash_start, -2) + t[:, None] * np.expand_dims(step, -2)  # [...,L,m,2]
-    pix = np.rint(pts).astype(np.int32).reshape(*shape, length * per_dash, 2)
-    foot = _with_markers(pix) if markers else pix
-    low, high = foot.min(axis=-2), foot.max(axis=-2)  # [..., 2]
-    room = (size - 1 - high) - (-low)  # number of valid offsets minus one, per axis
-    fits = (room >= 0).all(axis=-1)
-    offset = -low + np.floor(rng.uniform(size=room.shape) * (np.maximum(room, 0) + 1))
-    offset = offset.astype(np.int32)[..., None, :]
-    return pix + offset, foot + offset, fits
+    n, size = len(segments), spec.image_size
+    reach = float(values[:, 0].max()) + 0.5
+    longest = spec.paddle_length
+    window = int(math.ceil(longest + 2 * reach)) + 2
+    pad = window + 1
+    side = size + 2 * pad
+    ink = np.zeros((n, side, side), dtype=np.float32)
+    rows = np.arange(n)[:, None, None]
+    ar = np.arange(window)
+    for m in range(segments.shape[1]):
+        a, b = segments[:, m, 0], segments[:, m, 1]
+        drawn = (a < _FAR / 2).all(-1)  # far-away filler: not drawn
+        lo = np.floor(np.minimum(a, b) - reach).astype(np.int64)
+        lo = np.where(drawn[:, None], lo, -pad)
+        ys, xs = lo[:, :1] + ar, lo[:, 1:] + ar  # [n, W]
+        p = np.stack(np.broadcast_arrays(ys[:, :, None], xs[:, None, :]), axis=-1)
+        d = _point_segment_distance(p.astype(np.float32), a[:, None, None], b[:, None, None])
+        cover = np.clip(values[m, 0] + 0.5 - d, 0.0, 1.0) * values[m, 1]
+        cover *= drawn[:, None, None]
+        idx = (rows, ys[:, :, None] + pad, xs[:, None, :] + pad)
+        ink[idx] = np.maximum(ink[idx], cover)
+    core = ink[:, pad : pad + size, pad : pad + size] / max(spec.snake_contrast, 1.0)
+    return np.rint(np.clip(core, 0.0, 1.0) * 255).astype(np.uint8)
 
 
-def _with_markers(pix: np.ndarray) -> np.ndarray:
-    """Append the marker disks at both ends of each contour: ``[..., P + 18, 2]``."""
-    ends = [pix[..., :1, :] + _MARKER, pix[..., -1:, :] + _MARKER]
-    return np.concatenate([pix, *ends], axis=-2)
+def _origin_border(spec: PathfinderSpec) -> int:
+    """Linsley keeps the first origin ``2 * seed_distance`` from the border; in images too
+    small for that (16 x 16 mini) we keep at least a 4 x 4 region in the middle."""
+    return int(min(2 * spec.seed_distance, spec.image_size // 2 - 2))
 
 
-def _place(
-    rng: np.random.Generator,
-    blocked: np.ndarray,
-    need: np.ndarray,
-    length: int,
-    spec: PathfinderSpec,
-    markers: bool,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Try to place one contour per image where ``need``; returns (placed mask, pixels).
+def _turn(rng, spec, pivot, theta, blocked):
+    """One growth step for ``k`` contours: (ok [k], new pivot, new angle, paddle [k, 2, 2]).
 
-    ``blocked`` ([N, S, S] bool, updated in place) marks pixels within LINK_RADIUS of
-    everything already drawn; a candidate is accepted if it fits in the image and touches
-    no blocked pixel, then its LINK_RADIUS neighbourhood is blocked in turn. Up to
-    ``spec.tries`` candidates per image, drawn a few at a time for the images still
-    waiting.
+    Candidate directions are one pixel of arc apart on the circle of radius
+    ``paddle_length + margin`` around the new pivot (random phase per step), limited to
+    turns with a non-zero weight; ``blocked(tail, head)`` ([k, C, 2] each) says which
+    candidate paddles are not free.
     """
-    n, size = blocked.shape[0], spec.image_size
-    per_dash = int(math.ceil(spec.dash_length / 0.5)) + 1
-    placed = np.zeros((n,), dtype=bool)
-    chosen = np.zeros((n, length * per_dash, 2), dtype=np.int32)
-    tries = 0
-    while tries < spec.tries:
-        waiting = np.flatnonzero(need & ~placed)
-        if not len(waiting):
-            break
-        chunk = min(4, spec.tries - tries)
-        tries += chunk
-        cand, foot, fits = _contours(rng, (chunk, len(waiting)), length, spec, markers)
-        for r in range(chunk):
-            sel = fits[r] & ~placed[waiting]  # positions in ``waiting`` to try
-            rows = waiting[sel]
-            if not len(rows):
-                continue
-            f = foot[r, sel]  # [k, F, 2]
-            free = ~blocked[rows[:, None], f[..., 0], f[..., 1]].any(axis=1)
-            rows, f = rows[free], f[free]
-            if not len(rows):
-                continue
-            placed[rows] = True
-            chosen[rows] = cand[r, sel][free]
-            near = np.clip(f[:, :, None, :] + _LINK, 0, size - 1).reshape(len(rows), -1, 2)
-            blocked[rows[:, None], near[..., 0], near[..., 1]] = True
-    return placed, chosen
+    k = len(pivot)
+    radius = spec.paddle_length + spec.margin
+    step = 2 * math.pi / max(int(math.ceil(2 * math.pi * radius)), 8)
+    max_turn = min(math.pi, math.pi / (2 * spec.continuity))
+    half = int(math.ceil(max_turn / step))
+    offsets = rng.uniform(0.0, step, size=(k, 1)) + step * np.arange(-half, half)
+    turn = np.abs(offsets)
+    weight = np.cos(np.minimum(turn * spec.continuity, math.pi / 2)) ** 2
+    weight = np.where(turn < math.pi, weight, 0.0)
+    new_pivot = pivot + (spec.paddle_length + 2 * spec.margin) * _unit(theta)
+    phi = theta[:, None] + offsets
+    u = _unit(phi)
+    tail = new_pivot[:, None] + spec.margin * u
+    head = new_pivot[:, None] + radius * u
+    ok = _inside(head, spec.image_size) & _inside(tail, spec.image_size) & (weight > 1e-9)
+    ok &= ~blocked(tail, head)
+    weight = np.where(ok, weight, 0.0)
+    total = weight.sum(-1)
+    cdf = np.cumsum(weight, axis=-1) / np.maximum(total, 1e-300)[:, None]
+    pick = (cdf < rng.uniform(size=(k, 1))).sum(-1).clip(0, weight.shape[1] - 1)
+    r = np.arange(k)
+    paddle = np.stack([tail[r, pick], head[r, pick]], axis=1)
+    return total > 0, new_pivot, phi[r, pick], paddle
 
 
-def _draw(images: np.ndarray, rows: np.ndarray, pix: np.ndarray) -> None:
-    """Set the pixels ``pix`` ([k, P, 2]) of images ``rows`` to 255."""
-    images[rows[:, None], pix[..., 0], pix[..., 1]] = 255
+def _first_paddle(rng, spec, tail):
+    """A first paddle from each tail [k, C, 2] in a random direction: (pivot, theta, head)."""
+    theta = np.deg2rad(rng.integers(-180, 180, size=tail.shape[:-1]))
+    u = _unit(theta)
+    return tail - spec.margin * u, theta, tail + spec.paddle_length * u
+
+
+def _main_contours(rng: np.random.Generator, spec: PathfinderSpec, n: int):
+    """Two main contours per image: (ok [n], paddles [n, 2, L, 2, 2]).
+
+    ``paddles[i, c, j] = (tail, head)`` of paddle ``j`` of contour ``c``; the origin of
+    contour ``c`` is ``paddles[i, c, 0, 0]``, its terminal tip ``paddles[i, c, -1, 1]``.
+    Rows with ``ok`` False got stuck and must be redrawn. Rows that get stuck are dropped
+    from the remaining steps.
+    """
+    s, length = spec.image_size, spec.contour_length
+    border = _origin_border(spec)
+    c_ = _CANDIDATES
+    origin0 = rng.integers(border, s - border, size=(n, 1, 2)).astype(np.float64)
+    tails = [np.broadcast_to(origin0, (n, c_, 2))]
+    away = np.deg2rad(rng.integers(0, 360, size=(n, c_)))
+    tails.append(np.rint(origin0 + spec.seed_distance * _unit(away)))
+    paddles = np.full((n, 2, length, 2, 2), _FAR, dtype=np.float64)
+    ok = np.ones(n, dtype=bool)
+    pivots, thetas = [], []
+    r = np.arange(n)
+    for c in range(2):
+        pivot, theta, head = _first_paddle(rng, spec, tails[c])
+        good = _inside(head, s) & _inside(pivot, s)
+        pick = good.argmax(-1)
+        ok &= good.any(-1)
+        pivots.append(pivot[r, pick])
+        thetas.append(theta[r, pick])
+        paddles[:, c, 0] = np.stack([tails[c][r, pick], head[r, pick]], axis=1)
+    alive = np.flatnonzero(ok)
+    pivots = [p[alive] for p in pivots]
+    thetas = [t[alive] for t in thetas]
+    for j in range(1, length):
+        for c in range(2):
+            # all paddles so far except this contour's last one (Linsley's mask lags one)
+            others = paddles[alive, :, : j + 1].reshape(len(alive), 2 * (j + 1), 2, 2)
+            others[:, c * (j + 1) + j - 1] = _FAR
+
+            def blocked(tail, head, others=others):
+                points = np.concatenate([head, (tail + head) / 2], axis=1)
+                near = _clearance(points, others) <= spec.main_radius
+                return near[:, : head.shape[1]] | near[:, head.shape[1] :]
+
+            step_ok, pivot, theta, paddle = _turn(rng, spec, pivots[c], thetas[c], blocked)
+            paddles[alive, c, j] = paddle
+            ok[alive[~step_ok]] = False
+            keep = step_ok
+            alive = alive[keep]
+            pivots = [p[keep] for p in pivots]
+            thetas = [t[keep] for t in thetas]
+            pivots[c], thetas[c] = pivot[keep], theta[keep]
+    return ok, paddles
+
+
+def _distractors(rng, spec, segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distractor paddles ``[n, D, Ld, 2, 2]`` (``_FAR`` where left out) and counts ``[n]``.
+
+    ``segments`` ([n, M, 2, 2]) are the main contours' paddles; every distractor drawn is
+    added to the segments the next ones test against.
+    """
+    n, radius = len(segments), spec.distractor_radius
+    ld = spec.distractor_length
+    out = np.full((n, spec.num_distractors, ld, 2, 2), _FAR, dtype=np.float64)
+    drawn = np.zeros(n, dtype=np.int64)
+    s = spec.image_size
+    for i in range(spec.num_distractors):
+        todo = np.arange(n)
+        for _attempt in range(spec.tries):
+            if not len(todo):
+                break
+            fixed = np.concatenate(
+                [segments[todo], out[todo, :i].reshape(len(todo), -1, 2, 2)], axis=1
+            )
+            tail = rng.integers(0, s, size=(len(todo), _CANDIDATES, 2)).astype(np.float64)
+            pivot, theta, head = _first_paddle(rng, spec, tail)
+            points = np.concatenate([tail, (tail + head) / 2, head], axis=1)
+            free = (_clearance(points, fixed) > radius).reshape(len(todo), 3, -1).all(1)
+            good = _inside(head, s) & _inside(pivot, s) & free
+            pick = good.argmax(-1)
+            r = np.arange(len(todo))
+            ok = good.any(-1)
+            pivot, theta = pivot[r, pick], theta[r, pick]
+            paddles = [np.stack([tail[r, pick], head[r, pick]], axis=1)]
+
+            def blocked(tail, head, fixed=fixed):  # the head only: may touch and cross
+                return _clearance(head, fixed) <= radius
+
+            for _j in range(1, ld):
+                step_ok, pivot, theta, paddle = _turn(rng, spec, pivot, theta, blocked)
+                ok &= step_ok
+                paddles.append(paddle)
+            done = todo[ok]
+            out[done, i] = np.stack(paddles, axis=1)[ok]
+            drawn[done] += 1
+            todo = todo[~ok]
+    return out, drawn
 
 
 def generate_images(
-    spec: PathfinderSpec, labels: np.ndarray, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """Images for the given labels: (uint8 ``[N, S, S]``, marker centres int32 ``[N, 2, 2]``)."""
+    spec: PathfinderSpec,
+    labels: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    keep_paddles: bool = False,
+) -> dict[str, np.ndarray]:
+    """Images for the given labels (see the module docstring).
+
+    Returns ``images`` uint8 ``[N, S, S]``, ``markers`` float32 ``[N, 2, 2]`` (centres,
+    (y, x); marker 0 on an origin), ``tips`` float32 ``[N, 2, 2, 2]`` (contour, origin /
+    terminal, (y, x)), ``origin`` int8 ``[N]`` (the contour marker 0 sits on) and
+    ``distractors`` int8 ``[N]`` (how many were drawn); with ``keep_paddles`` also
+    ``main_paddles`` ``[N, 2, L, 2, 2]`` and ``distractor_paddles`` ``[N, D, Ld, 2, 2]``
+    ((tail, head) per paddle; ``1e4`` where a distractor was left out).
+    """
     labels = np.asarray(labels)
-    n, size = len(labels), spec.image_size
-    images = np.zeros((n, size, size), dtype=np.uint8)
-    markers = np.zeros((n, 2, 2), dtype=np.int32)
+    if labels.ndim != 1 or not np.isin(labels, (0, 1)).all():
+        raise ValueError(f"labels must be a 1-D array of 0/1, got shape {labels.shape}")
+    n, length = len(labels), spec.contour_length
+    mains = np.zeros((n, 2, length, 2, 2))
     todo = np.arange(n)
+    rate = 1.0
     while len(todo):
-        k = len(todo)
-        blocked = np.zeros((k, size, size), dtype=bool)
-        everyone = np.ones((k,), dtype=bool)
-        ok_a, a = _place(rng, blocked, everyone, spec.contour_length, spec, markers=True)
-        ok_b, b = _place(rng, blocked, ok_a, spec.contour_length, spec, markers=True)
-        good = ok_a & ok_b  # images without both main contours are redrawn
-        canvas = np.zeros((k, size, size), dtype=np.uint8)
-        rows = np.arange(k)
-        _draw(canvas, rows, a)
-        _draw(canvas, rows, b)
-        for _ in range(spec.num_distractors):
-            ok_d, d = _place(rng, blocked, good, spec.distractor_length, spec, markers=False)
-            _draw(canvas, rows[ok_d], d[ok_d])
-        # marker 1 on a random end of A; marker 2 on A's other end (label 1) or on a
-        # random end of B (label 0)
-        end_a = rng.integers(0, 2, size=k)
-        end_b = rng.integers(0, 2, size=k)
-        ends_a = np.stack([a[:, 0], a[:, -1]], axis=1)  # [k, 2, 2]
-        ends_b = np.stack([b[:, 0], b[:, -1]], axis=1)
-        first = ends_a[rows, end_a]
-        positive = labels[todo] == 1
-        second = np.where(positive[:, None], ends_a[rows, 1 - end_a], ends_b[rows, end_b])
-        for centre in (first, second):
-            disk = centre[:, None, :] + _MARKER  # [k, 9, 2]
-            _draw(canvas, rows, disk)
-        images[todo[good]] = canvas[good]
-        markers[todo[good]] = np.stack([first, second], axis=1)[good]
-        todo = todo[~good]
-    return images, markers
+        # attempts are i.i.d., so drawing more than needed and keeping the first successes
+        # changes nothing but the number of (slow, small) rounds
+        tries = min(int(math.ceil(1.2 * len(todo) / rate)) + 16, 4 * _BLOCK)
+        ok, p = _main_contours(rng, spec, tries)
+        rate = max(ok.mean(), 0.01)
+        good = np.flatnonzero(ok)[: len(todo)]
+        mains[todo[: len(good)]] = p[good]
+        todo = todo[len(good) :]
+    mains = mains.reshape(n, 2 * length, 2, 2)
+    distract, drawn = _distractors(rng, spec, mains)
+    tips = np.stack([mains[:, ::length, 0], mains[:, length - 1 :: length, 1]], axis=2)
+    rows = np.arange(n)
+    origin = rng.integers(0, 2, size=n)
+    target = np.where(labels == 1, origin, 1 - origin)
+    markers = np.stack([tips[rows, origin, 0], tips[rows, target, 1]], axis=1)
+    segments = np.concatenate(
+        [mains, distract.reshape(n, -1, 2, 2), np.repeat(markers[:, :, None], 2, axis=2)],
+        axis=1,
+    )
+    half = spec.paddle_thickness / 2
+    values = np.array(
+        [(half, spec.snake_contrast * spec.paddle_contrast)] * mains.shape[1]
+        + [(half, spec.snake_contrast)] * (distract.shape[1] * distract.shape[2])
+        + [(spec.marker_radius, 1.0)] * 2
+    )
+    out = {
+        "images": _render(spec, segments, values),
+        "markers": markers.astype(np.float32),
+        "tips": tips.astype(np.float32),
+        "origin": origin.astype(np.int8),
+        "distractors": drawn.astype(np.int8),
+    }
+    if keep_paddles:
+        out["main_paddles"] = mains.reshape(n, 2, length, 2, 2)
+        out["distractor_paddles"] = distract
+    return out
 
 
 def generate(spec: PathfinderSpec) -> dict[str, dict[str, np.ndarray]]:
-    """The three splits: split -> {"images" uint8 [N,S,S], "labels" uint8 [N], "markers"}.
+    """The three splits: split -> {"images" uint8 [N,S,S], "labels" uint8 [N], ...}.
 
     Split ``i`` uses the random stream ``SeedSequence([spec.seed, i])``, so its content
     does not depend on the sizes of the other splits. Labels: exactly half are 1, shuffled.
+    The other arrays are those of ``generate_images``.
     """
     out = {}
     sizes = (spec.num_train, spec.num_val, spec.num_test)
     for i, (split, n) in enumerate(zip(SPLITS, sizes, strict=True)):
         rng = np.random.default_rng(np.random.SeedSequence([spec.seed, i]))
         labels = rng.permutation(np.arange(n) % 2).astype(np.uint8)
-        # blocks of _BLOCK images bound the memory of the vectorised placement
+        # blocks of _BLOCK images bound the memory of the vectorised drawing
         parts = [generate_images(spec, labels[i : i + _BLOCK], rng) for i in range(0, n, _BLOCK)]
-        size = spec.image_size
-        images = np.concatenate([p[0] for p in parts]) if parts else np.zeros((0, size, size))
-        markers = np.concatenate([p[1] for p in parts]) if parts else np.zeros((0, 2, 2))
-        out[split] = {
-            "images": images.astype(np.uint8),
-            "labels": labels,
-            "markers": markers.astype(np.int32),
-        }
+        if not parts:
+            parts = [generate_images(spec, labels, rng)]
+        out[split] = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        out[split]["labels"] = labels
     return out
-
-
-# ----------------------------------------------------------------------------- checking
-def endpoints_connected(
-    image: np.ndarray,
-    a: tuple[int, int],
-    b: tuple[int, int],
-    *,
-    link_radius: int = LINK_RADIUS,
-    threshold: int = 0,
-) -> bool:
-    """Whether pixels ``a`` and ``b`` (y, x) are joined by "on" pixels (``> threshold``).
-
-    Flood fill from ``a`` over on-pixels, stepping to any on-pixel within Chebyshev
-    distance ``link_radius`` (so dashes separated by small gaps count as one path).
-    """
-    image = np.asarray(image)
-    if image.ndim != 2:
-        raise ValueError(f"image must be [H, W], got shape {image.shape}")
-    on = image > threshold
-    h, w = on.shape
-    if not (on[tuple(a)] and on[tuple(b)]):
-        return False
-    seen = np.zeros_like(on)
-    seen[tuple(a)] = True
-    queue = deque([tuple(a)])
-    while queue:
-        y, x = queue.popleft()
-        if (y, x) == tuple(b):
-            return True
-        y0, y1 = max(0, y - link_radius), min(h, y + link_radius + 1)
-        x0, x1 = max(0, x - link_radius), min(w, x + link_radius + 1)
-        fresh = on[y0:y1, x0:x1] & ~seen[y0:y1, x0:x1]
-        for dy, dx in zip(*np.nonzero(fresh), strict=True):
-            seen[y0 + dy, x0 + dx] = True
-            queue.append((y0 + int(dy), x0 + int(dx)))
-    return False
 
 
 def save_grid(
@@ -441,7 +612,12 @@ def release_splits(directory: str | os.PathLike, image_size: int = 32) -> dict[s
 
 # ----------------------------------------------------------------------------- task
 def spec_from_config(cfg: Mapping[str, Any]) -> PathfinderSpec:
-    base = MINI if _config.variant(cfg) == "mini" else FULL
+    """``MINI`` or ``FULL`` (``cfg["difficulty"]``: LRA's easy/intermediate/hard lengths for
+    ``full``), then any ``PathfinderSpec`` field set in ``cfg``; ``data_seed`` -> seed."""
+    if _config.variant(cfg) == "mini":
+        base = MINI
+    else:
+        base = difficulty_spec(_config.choice(cfg, "difficulty", "hard", tuple(DIFFICULTY_DIRS)))
     fields = {f.name for f in dataclasses.fields(PathfinderSpec)} - {"seed"}
     overrides = {k: cfg[k] for k in fields if cfg.get(k) is not None}
     return dataclasses.replace(base, seed=int(cfg.get("data_seed") or 0), **overrides)
