@@ -77,6 +77,8 @@ from linattn_jax.registry import Mechanism, register
 
 _f32 = jnp.float32
 _INIT_METHODS = ("gaussian", "orthogonal")
+_PAIR_INITS = ("jitter", "tied", "independent")
+PAIR_JITTER = 0.1  # default flexformer_n pair jitter (see init_n)
 
 
 def _draw_frequencies(rng, num_heads, num_features, head_dim, init_method):
@@ -105,30 +107,40 @@ def init_n(
     head_dim: int,
     num_features: int = 128,
     init_method: str = "gaussian",
-    pair_jitter: float = 0.0,
+    pair_init: str = "jitter",
+    pair_jitter: float = PAIR_JITTER,
 ):
-    """``{"omega1", "omega2": [H, M, d], "tau": [H]}``.
+    """``{"omega1", "omega2": [H, M, d], "tau": [H]}``; ``tau = log(2 sqrt d)``.
 
-    ``omega1 = omega2`` = the draw `init_s` makes from the same `rng`, and
-    ``tau = log(2 sqrt d)``: at init the mechanism equals ``flexformer_s``.
+    ``omega1`` = the draw `init_s` makes from the same `rng`. ``omega2`` by `pair_init`:
 
-    ``pair_jitter > 0`` adds ``pair_jitter * N(0, I)`` to ``omega2``. Why: the paired
-    features are symmetric under swapping ``omega1 <-> omega2``, so at ``omega1 ==
-    omega2`` the two gradients are identical and gradient-based training keeps the
-    pair tied forever (only ``tau`` then moves the kernel off ``flexformer_s``). The
-    default 0 is the exact-equality init of the spec; a small jitter (e.g. 0.05)
-    breaks the symmetry at the cost of exact equality with ``flexformer_s`` at init.
+    - ``"jitter"`` (default): ``omega1 + pair_jitter * N(0, I)``. Why: the paired
+      features are symmetric under swapping ``omega1 <-> omega2``, so at ``omega1 ==
+      omega2`` the two gradients are identical and gradient training keeps the pair
+      tied forever (the kernel stays stationary; only ``tau`` moves it). The jitter
+      breaks the tie; the cross terms then estimate ``exp(q^.k^ - pair_jitter^2
+      |k^|^2 / 2)`` (resp. ``|q^|^2``) instead of ``exp(q^.k^)``, a bias of
+      ``pair_jitter^2 |x^|^2 / 4`` in the log kernel (0.25% at the default 0.1 and
+      ``|x^| = 1``).
+    - ``"tied"``: ``omega2 = omega1``: at init the mechanism equals ``flexformer_s``
+      exactly (and stays stationary under gradient training).
+    - ``"independent"``: a second independent draw; the cross terms then estimate 1,
+      not the softmax kernel (the init is far from the RFF estimator).
     """
     _check_init("flexformer_n", num_heads, head_dim, num_features, init_method)
+    _checks.check_choice("flexformer_n", "pair_init", pair_init, _PAIR_INITS)
     if isinstance(pair_jitter, bool) or not isinstance(pair_jitter, int | float):
         raise ValueError(f"flexformer_n: pair_jitter must be a float >= 0, got {pair_jitter!r}")
     if not pair_jitter >= 0:
         raise ValueError(f"flexformer_n: pair_jitter must be a float >= 0, got {pair_jitter!r}")
     omega = _draw_frequencies(rng, num_heads, num_features, head_dim, init_method)
-    omega2 = omega
-    if pair_jitter:
-        noise = jax.random.normal(jax.random.fold_in(rng, 1), omega.shape, _f32)
-        omega2 = omega + pair_jitter * noise
+    key2 = jax.random.fold_in(rng, 1)
+    if pair_init == "tied":
+        omega2 = omega
+    elif pair_init == "independent":
+        omega2 = _draw_frequencies(key2, num_heads, num_features, head_dim, init_method)
+    else:
+        omega2 = omega + pair_jitter * jax.random.normal(key2, omega.shape, _f32)
     return {
         "omega1": omega,
         "omega2": omega2,
@@ -179,8 +191,18 @@ def _log_norm_n(x, tau):
     return jnp.sum(x * x, axis=-1, keepdims=True) * inv_scale
 
 
-def _parts(variant, x, params):
+def _normalize(x, radius):
+    """``x`` rescaled so that ``|x^| = radius`` (float32; ``None``: unchanged)."""
+    x = x.astype(_f32)
+    if radius is None:
+        return x
+    norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-12)
+    return x * (radius * x.shape[-1] ** 0.25 / norm)
+
+
+def _parts(variant, x, params, radius=None):
     """``(s, phi)``: log norm factor ``[B, T, H, 1]`` and trig features ``[B, T, H, 2M]``."""
+    x = _normalize(x, radius)
     xh = core.scale_inputs(x)
     if variant == "s":
         return _log_norm_s(xh), _trig_s(xh, params["omega"])
@@ -239,6 +261,29 @@ def kernel(q, k, params):
     return jnp.exp(norms) * dots
 
 
+def trig_kernel(q, k, params):
+    """The trigonometric part ``phi(q_i) . phi(k_j)`` (``phi_n`` for ``flexformer_n``) as
+    ``[B, H, Tq, Tk]`` float32, without the norm factors: the Bochner (stationary) resp.
+    Yaglom (non-stationary) kernel the frequencies define."""
+    variant = _variant(params)
+    _, pq = _parts(variant, q, params)
+    _, pk = _parts(variant, k, params)
+    return jnp.einsum("bihm,bjhm->bhij", pq, pk, precision=lax.Precision.HIGHEST)
+
+
+def shift_invariance_gap(params, x, y, shifts):
+    """How far the trigonometric kernel is from stationary: ``sum Var_s / sum E_s[k^2]``.
+
+    ``k_s = trig_kernel(x + s, y + s)`` for every shift ``s`` in `shifts` ``[S, d]`` and
+    every pair of rows of `x`, `y` ``[B, T, H, d]``; the variance and mean square are
+    over the shifts, summed over pairs and heads. 0 for a stationary kernel (every
+    ``flexformer_s``, and ``flexformer_n`` with ``omega1 == omega2``), up to rounding;
+    at most 1.
+    """
+    ks = jnp.stack([trig_kernel(x + s, y + s, params) for s in shifts])  # [S, B, H, Tq, Tk]
+    return jnp.sum(jnp.var(ks, axis=0)) / jnp.sum(jnp.mean(ks * ks, axis=0))
+
+
 def spectral_samples(params):
     """The learned frequencies per head: ``omega [H, M, d]`` for ``flexformer_s``,
     ``concat(omega1, omega2) [H, 2M, d]`` for ``flexformer_n`` (read off the param names)."""
@@ -260,7 +305,9 @@ def _check_freqs(name, params, keys, h, d, extra=None):
     _checks.check_params(name, params, expected)
 
 
-def _attend(name, q, k, v, params, mask, causal, chunk_size, learn_frequencies, quadratic):
+def _attend(
+    name, q, k, v, params, mask, causal, chunk_size, learn_frequencies, quadratic, radius=None
+):
     _checks.check_inputs(name, q, k, v, mask, causal=causal)
     _checks.check_positive(name, chunk_size=chunk_size)
     h, d = q.shape[2], q.shape[3]
@@ -272,8 +319,8 @@ def _attend(name, q, k, v, params, mask, causal, chunk_size, learn_frequencies, 
         for key in freq_keys:
             params[key] = lax.stop_gradient(params[key])
     variant = name[-1]
-    _, phi_q = _parts(variant, q, params)  # the query norm factor cancels
-    s_k, phi_k = _parts(variant, k, params)
+    _, phi_q = _parts(variant, q, params, radius)  # the query norm factor cancels
+    s_k, phi_k = _parts(variant, k, params, radius)
     return core.attend(
         phi_q,
         phi_k,
@@ -299,6 +346,7 @@ def attention_s(
     deterministic=False,
     chunk_size=64,
     learn_frequencies=True,
+    qk_radius=None,
 ):
     """``flexformer_s`` attention ``[B, Tq, H, Dv]``; `rng` and `deterministic` are unused.
 
@@ -308,7 +356,17 @@ def attention_s(
     """
     del rng, deterministic
     return _attend(
-        "flexformer_s", q, k, v, params, mask, causal, chunk_size, learn_frequencies, False
+        "flexformer_s",
+        q,
+        k,
+        v,
+        params,
+        mask,
+        causal,
+        chunk_size,
+        learn_frequencies,
+        False,
+        qk_radius,
     )
 
 
@@ -324,11 +382,22 @@ def reference_s(
     deterministic=False,
     chunk_size=64,
     learn_frequencies=True,
+    qk_radius=None,
 ):
     """The naive quadratic form of `attention_s` (same features)."""
     del rng, deterministic
     return _attend(
-        "flexformer_s", q, k, v, params, mask, causal, chunk_size, learn_frequencies, True
+        "flexformer_s",
+        q,
+        k,
+        v,
+        params,
+        mask,
+        causal,
+        chunk_size,
+        learn_frequencies,
+        True,
+        qk_radius,
     )
 
 
@@ -344,13 +413,24 @@ def attention_n(
     deterministic=False,
     chunk_size=64,
     learn_frequencies=True,
+    qk_radius=None,
 ):
     """``flexformer_n`` attention ``[B, Tq, H, Dv]``; as `attention_s` with the paired
     features. ``learn_frequencies=False`` stops gradients to ``omega1``, ``omega2`` (``tau``
     stays learnable)."""
     del rng, deterministic
     return _attend(
-        "flexformer_n", q, k, v, params, mask, causal, chunk_size, learn_frequencies, False
+        "flexformer_n",
+        q,
+        k,
+        v,
+        params,
+        mask,
+        causal,
+        chunk_size,
+        learn_frequencies,
+        False,
+        qk_radius,
     )
 
 
@@ -366,11 +446,22 @@ def reference_n(
     deterministic=False,
     chunk_size=64,
     learn_frequencies=True,
+    qk_radius=None,
 ):
     """The naive quadratic form of `attention_n` (same features)."""
     del rng, deterministic
     return _attend(
-        "flexformer_n", q, k, v, params, mask, causal, chunk_size, learn_frequencies, True
+        "flexformer_n",
+        q,
+        k,
+        v,
+        params,
+        mask,
+        causal,
+        chunk_size,
+        learn_frequencies,
+        True,
+        qk_radius,
     )
 
 
