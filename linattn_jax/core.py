@@ -21,6 +21,12 @@ Accumulation is float32 whatever the input dtype. Denominators are guarded by
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -274,8 +280,170 @@ def scale_inputs(x):
     return x * x.shape[-1] ** -0.25
 
 
+# ---------------------------------------------------------------- the feature-map protocol
+class KeyFeatures(NamedTuple):
+    """What a feature-map mechanism hands the core for its keys (SPEC section 7).
+
+    Attributes:
+      phi: ``[B, Tk, H, M]`` float32 key features.
+      log_scale: optional ``[B, Tk, H]``: the key features are ``exp(log_scale) phi``
+        (`linear_attention`'s ``key_log_scale``; stabilised there by a detached max).
+      log_decay: optional ``[B, Tk, H]`` log of a per-token state decay (a gated
+        recurrence, causal only; `linear_attention`'s ``log_decay``).
+    """
+
+    phi: Any
+    log_scale: Any = None
+    log_decay: Any = None
+
+
+def _accepted(fn: Callable, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of `config` that `fn` takes as keyword-only parameters."""
+    names = {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
+    return {k: v for k, v in config.items() if k in names}
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureMap:
+    """A feature-map mechanism's features, exactly as its `attention` hands them to the core.
+
+    ``la.get(name).feature_map`` (None for mechanisms that are not feature maps). Training
+    code (distillation, recurrent decoding, sequence parallelism) goes through this record,
+    so a new feature-map mechanism gets all of them by registering one::
+
+        fm = la.get("performer").feature_map
+        p = fm.resolve(params, rng, deterministic=False)    # this call's random features
+        phi_q = fm.query(q, p)                              # [B, Tq, H, M]
+        phi_k, log_scale, log_decay = fm.key(k, p)          # KeyFeatures
+        out = core.attend(phi_q, phi_k, v, q.dtype, key_log_scale=log_scale,
+                          log_decay=log_decay)              # == mechanism.attention(...)
+
+    Attributes:
+      query_fn: ``(q, params, **config) -> [B, Tq, H, M]`` float32.
+      key_fn: ``(k, params, **config) -> KeyFeatures``.
+      draw_fn: ``(params, rng, **config) -> params`` with freshly drawn random features
+        (the redraw of a stochastic mechanism when ``deterministic=False``), or None.
+      config: config values (the mechanism's bound config); each function receives the
+        keys it declares as keyword-only parameters.
+    """
+
+    query_fn: Callable[..., Any]
+    key_fn: Callable[..., KeyFeatures]
+    draw_fn: Callable[..., Any] | None = None
+    config: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+
+    def bind(self, **config) -> FeatureMap:
+        """This feature map with `config` values fixed."""
+        return dataclasses.replace(self, config=MappingProxyType({**self.config, **config}))
+
+    def _call(self, fn, *args, **config):
+        return fn(*args, **_accepted(fn, {**self.config, **config}))
+
+    def query(self, q, params, **config):
+        """Query features ``[B, Tq, H, M]`` float32."""
+        return self._call(self.query_fn, q, params, **config)
+
+    def key(self, k, params, **config) -> KeyFeatures:
+        """Key features with their log scale and log decay."""
+        return KeyFeatures(*self._call(self.key_fn, k, params, **config))
+
+    def resolve(self, params, rng=None, *, deterministic: bool = False, **config):
+        """The params one call uses: `params` itself when deterministic (or when nothing is
+        random), else `params` with the random features redrawn from `rng`."""
+        if deterministic or self.draw_fn is None:
+            return params
+        return self._call(self.draw_fn, params, rng, **config)
+
+
+def attend_features(
+    fmap: FeatureMap,
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal: bool = False,
+    deterministic: bool = False,
+    chunk_size: int = 64,
+    quadratic: bool = False,
+    **config,
+):
+    """A feature-map mechanism's attention from its `FeatureMap` (inputs already checked)."""
+    params = fmap.resolve(params, rng, deterministic=deterministic, **config)
+    keys = fmap.key(k, params, **config)
+    return attend(
+        fmap.query(q, params, **config),
+        keys.phi,
+        v,
+        q.dtype,
+        mask=mask,
+        causal=causal,
+        chunk_size=chunk_size,
+        log_decay=keys.log_decay,
+        key_log_scale=keys.log_scale,
+        quadratic=quadratic,
+    )
+
+
+class RecurrentState(NamedTuple):
+    """The constant-size state of causal linear attention after t tokens (per head).
+
+    ``s = sum_j D_j exp(n_j - c) phi(k_j) v_j^T`` ``[B, H, M, Dv]`` and ``z`` likewise
+    without v ``[B, H, M]``, with D_j the product of the decays after token j and ``c``
+    ``[B, H]`` the running max of the key log-scales (the same stabiliser as the chunked
+    causal form, so both agree to rounding).
+    """
+
+    s: Any
+    z: Any
+    c: Any
+
+
+def recurrent_init(batch: int, num_heads: int, num_features: int, value_dim: int):
+    """The empty `RecurrentState` (no token seen)."""
+    return RecurrentState(
+        jnp.zeros((batch, num_heads, num_features, value_dim), _f32),
+        jnp.zeros((batch, num_heads, num_features), _f32),
+        jnp.full((batch, num_heads), _NEG, _f32),
+    )
+
+
+def recurrent_step(state: RecurrentState, phi_q, keys: KeyFeatures, v, eps=DENOMINATOR_EPS):
+    """One token of causal linear attention: ``(out [B, 1, H, Dv] float32, new state)``.
+
+    Args:
+      state: `RecurrentState` before this token.
+      phi_q: ``[B, 1, H, M]`` the token's query features.
+      keys: the token's `KeyFeatures` (``[B, 1, H, M]``, log scale / decay ``[B, 1, H]``).
+      v: ``[B, 1, H, Dv]`` its value.
+    """
+    s, z, c = state
+    b = keys.phi[:, 0].astype(_f32)  # [B, H, M]
+    n = jnp.zeros_like(c) if keys.log_scale is None else keys.log_scale[:, 0].astype(_f32)
+    g = jnp.ones_like(c) if keys.log_decay is None else jnp.exp(keys.log_decay[:, 0])
+    c_new = jnp.maximum(c, n)  # [B, H]
+    old = g * jnp.exp(c - c_new)  # rescale to the new stabiliser, then decay
+    kf = jnp.exp(n - c_new)[..., None] * b  # [B, H, M]
+    v = v[:, 0].astype(_f32)
+    s = s * old[..., None, None] + kf[..., None] * v[:, :, None, :]
+    z = z * old[..., None] + kf
+    pq = phi_q[:, 0].astype(_f32)
+    num = jnp.einsum("bhm,bhmd->bhd", pq, s)
+    den = jnp.einsum("bhm,bhm->bh", pq, z)
+    out = num / guard_denominator(den, eps)[..., None]
+    return out[:, None], RecurrentState(s, z, c_new)
+
+
 __all__ = [
     "DENOMINATOR_EPS",
+    "FeatureMap",
+    "KeyFeatures",
+    "RecurrentState",
+    "attend_features",
+    "recurrent_init",
+    "recurrent_step",
     "guard_denominator",
     "masked_max",
     "key_mask",

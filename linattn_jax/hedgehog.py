@@ -30,16 +30,22 @@ def feature_map(x, params):
     return jnp.concatenate([jax.nn.softmax(a, axis=-1), jax.nn.softmax(-a, axis=-1)], axis=-1)
 
 
+FEATURE_MAP = core.FeatureMap(
+    query_fn=feature_map, key_fn=lambda k, params: core.KeyFeatures(feature_map(k, params))
+)
+
+
 def _attend(q, k, v, params, mask, causal, chunk_size, quadratic):
     _checks.check_inputs("hedgehog", q, k, v, mask, causal=causal)
     _checks.check_positive("hedgehog", chunk_size=chunk_size)
     h, d = q.shape[2], q.shape[3]
     _checks.check_params("hedgehog", params, {"w": (h, d, d), "b": (h, d)})
-    return core.attend(
-        feature_map(q, params),
-        feature_map(k, params),
+    return core.attend_features(
+        FEATURE_MAP,
+        q,
+        k,
         v,
-        q.dtype,
+        params,
         mask=mask,
         causal=causal,
         chunk_size=chunk_size,
@@ -71,6 +77,7 @@ MECHANISM = register(
         reference_fn=reference,
         supports_causal=True,
         stochastic=False,
+        feature_map_spec=FEATURE_MAP,
         description="learnable softmax feature map, W init identity (Zhang et al. 2024), O(T)",
     )
 )

@@ -21,14 +21,20 @@ def feature_map(x, params=None):
     return jax.nn.elu(x.astype(jnp.float32)) + 1.0
 
 
+FEATURE_MAP = core.FeatureMap(
+    query_fn=feature_map, key_fn=lambda k, params: core.KeyFeatures(feature_map(k))
+)
+
+
 def _attend(q, k, v, mask, causal, chunk_size, quadratic):
     _checks.check_inputs("linear_elu", q, k, v, mask, causal=causal)
     _checks.check_positive("linear_elu", chunk_size=chunk_size)
-    return core.attend(
-        feature_map(q),
-        feature_map(k),
+    return core.attend_features(
+        FEATURE_MAP,
+        q,
+        k,
         v,
-        q.dtype,
+        {},
         mask=mask,
         causal=causal,
         chunk_size=chunk_size,
@@ -60,6 +66,7 @@ MECHANISM = register(
         reference_fn=reference,
         supports_causal=True,
         stochastic=False,
+        feature_map_spec=FEATURE_MAP,
         description="linear attention, phi = elu + 1 (Katharopoulos et al. 2020), O(T)",
     )
 )

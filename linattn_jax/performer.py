@@ -77,6 +77,24 @@ def feature_map(x, features, *, stabilize: bool = True):
     return (jnp.exp(logits - n[..., None]) + FEATURE_EPS) * m**-0.5, n
 
 
+def _query(q, params):
+    return feature_map(q, lax.stop_gradient(params["features"]))[0]
+
+
+def _key(k, params):
+    return core.KeyFeatures(*feature_map(k, lax.stop_gradient(params["features"])))
+
+
+def _draw(params, rng):
+    """A fresh draw of the same size (the per-call redraw)."""
+    h, m, d = params["features"].shape
+    return {**params, "features": orthogonal_features(rng, h, m, d)}
+
+
+#: Queries ``phi``; keys ``(phi, n)`` with n the per-token log-scale (see `feature_map`).
+FEATURE_MAP = core.FeatureMap(query_fn=_query, key_fn=_key, draw_fn=_draw)
+
+
 def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, quadratic):
     _checks.check_inputs("performer", q, k, v, mask, causal=causal)
     _checks.check_positive("performer", chunk_size=chunk_size)
@@ -88,20 +106,17 @@ def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, quadr
         raise ValueError(
             f"performer: params['features'] has shape {w.shape}, expected [H={h}, M, d={d}]"
         )
-    if not deterministic:  # redraw: a fresh draw of the same size per call
-        w = orthogonal_features(rng, h, w.shape[1], d)
-    w = lax.stop_gradient(w)
-    phi_q, _ = feature_map(q, w)
-    phi_k, n_k = feature_map(k, w)
-    return core.attend(
-        phi_q,
-        phi_k,
+    return core.attend_features(
+        FEATURE_MAP,
+        q,
+        k,
         v,
-        q.dtype,
+        params,
+        rng,
         mask=mask,
         causal=causal,
+        deterministic=deterministic,
         chunk_size=chunk_size,
-        key_log_scale=n_k,
         quadratic=quadratic,
     )
 
@@ -133,6 +148,7 @@ MECHANISM = register(
         supports_causal=True,
         stochastic=True,
         fixed_fn=lambda: frozenset({"features"}),
+        feature_map_spec=FEATURE_MAP,
         description="FAVOR+ positive orthogonal random features (Choromanski et al. 2021), O(T)",
     )
 )

@@ -52,6 +52,9 @@ class Mechanism:
       description: one line for tables.
       reference_fn: the naive quadratic form of `attention_fn` (same signature and
         the same features), the oracle its fast paths are tested against.
+      feature_map_spec: the `linattn_jax.core.FeatureMap` of a feature-map mechanism
+        (what its `attention_fn` hands to the shared core), None for the others; read it
+        as `feature_map` (bound to this record's config).
     """
 
     name: str
@@ -63,6 +66,16 @@ class Mechanism:
     config: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     description: str = ""
     reference_fn: Callable[..., Any] | None = None
+    feature_map_spec: Any = None
+
+    @property
+    def feature_map(self):
+        """The `linattn_jax.core.FeatureMap` (query features, key features with their log
+        scale and log decay) with this mechanism's bound config, or None when the mechanism
+        is not a feature map (SPEC section 7)."""
+        if self.feature_map_spec is None:
+            return None
+        return self.feature_map_spec.bind(**self.config)
 
     @property
     def defaults(self) -> dict[str, Any]:

@@ -52,6 +52,23 @@ def feature_map(x, params, features=None):
     return jnp.concatenate([jnp.sin(wx), jnp.cos(wx)], axis=-1) * w.shape[1] ** -0.5
 
 
+def _key(k, params, *, gate=False):
+    """Key features; with `gate`, ``(1 - g_t) phi(k_t)`` and the log decay ``log g_t``."""
+    phi = feature_map(k, params)
+    if not gate:
+        return core.KeyFeatures(phi)
+    a = jnp.einsum("bthd,hd->bth", _unit(k), params["gate_w"]) + params["gate_b"][None, None, :]
+    return core.KeyFeatures(phi * jax.nn.sigmoid(-a)[..., None], log_decay=jax.nn.log_sigmoid(a))
+
+
+def _draw(params, rng):
+    """Fresh ``W~ ~ N(0, I)`` of the same size (the per-call redraw)."""
+    return {**params, "features": jax.random.normal(rng, params["features"].shape, jnp.float32)}
+
+
+FEATURE_MAP = core.FeatureMap(query_fn=feature_map, key_fn=_key, draw_fn=_draw)
+
+
 def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate, quadratic):
     _checks.check_inputs("rfa", q, k, v, mask, causal=causal)
     _checks.check_positive("rfa", chunk_size=chunk_size)
@@ -65,26 +82,19 @@ def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate,
     _checks.check_params("rfa", params, expected)
     if gate and not causal:
         raise ValueError("rfa: gate=True is the causal recurrence; it needs causal=True")
-    features = None
-    if not deterministic:
-        features = jax.random.normal(rng, (h, m, d), jnp.float32)
-    phi_q = feature_map(q, params, features)
-    phi_k = feature_map(k, params, features)
-    log_decay = None
-    if gate:
-        a = jnp.einsum("bthd,hd->bth", _unit(k), params["gate_w"]) + params["gate_b"][None, None, :]
-        log_decay = jax.nn.log_sigmoid(a)  # log g_t
-        phi_k = phi_k * jax.nn.sigmoid(-a)[..., None]  # (1 - g_t) phi(k_t)
-    return core.attend(
-        phi_q,
-        phi_k,
+    return core.attend_features(
+        FEATURE_MAP,
+        q,
+        k,
         v,
-        q.dtype,
+        params,
+        rng,
         mask=mask,
         causal=causal,
+        deterministic=deterministic,
         chunk_size=chunk_size,
-        log_decay=log_decay,
         quadratic=quadratic,
+        gate=gate,
     )
 
 
@@ -131,6 +141,7 @@ MECHANISM = register(
         supports_causal=True,
         stochastic=True,
         fixed_fn=lambda: frozenset({"features"}),
+        feature_map_spec=FEATURE_MAP,
         description="random feature attention, trig features, learnable sigma, gate (Peng et al. "
         "2021), O(T)",
     )

@@ -1,0 +1,107 @@
+"""The feature-map protocol (SPEC section 7): ``la.get(name).feature_map``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers import init, mech, qkv
+
+import linattn_jax as la
+from linattn_jax import core
+
+#: The feature-map mechanisms; every other mechanism has ``feature_map is None``.
+FEATURE_MAP_NAMES = ["linear_elu", "performer", "rfa", "hedgehog"]
+_CASES = [(n, {}) for n in FEATURE_MAP_NAMES] + [("rfa", {"gate": True})]
+
+
+def test_which_mechanisms_are_feature_maps():
+    got = [n for n in la.names() if la.get(n).feature_map is not None]
+    assert sorted(got) == sorted(FEATURE_MAP_NAMES)
+
+
+@pytest.mark.parametrize(("name", "config"), _CASES, ids=str)
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_attention_is_the_core_of_its_feature_map(name, config, deterministic):
+    """Exactly what the mechanism hands to the core: its output, to the last bit, from the
+    protocol's features (random features resolved from the same rng)."""
+    m = mech(name, **config)
+    params = init(m)
+    q, k, v = qkv(seed=3)
+    mask = jnp.arange(12)[None, :] < jnp.array([[12], [7]])
+    rng = jax.random.key(5)
+    causal = bool(config.get("gate"))
+    want = m.attention(q, k, v, params, rng, mask=mask, causal=causal, deterministic=deterministic)
+    fm = m.feature_map
+    p = fm.resolve(params, rng, deterministic=deterministic)
+    keys = fm.key(k, p)
+    assert isinstance(keys, core.KeyFeatures) and keys.phi.shape[:3] == k.shape[:3]
+    got = core.attend(
+        fm.query(q, p),
+        keys.phi,
+        v,
+        q.dtype,
+        mask=mask,
+        causal=causal,
+        chunk_size=m.defaults.get("chunk_size", 64),
+        log_decay=keys.log_decay,
+        key_log_scale=keys.log_scale,
+    )
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if m.stochastic and not deterministic:  # the redraw really redraws
+        assert not np.array_equal(np.asarray(fm.key(k, params).phi), np.asarray(keys.phi))
+
+
+def test_feature_map_carries_the_bound_config():
+    fm = la.get("rfa").bind(gate=True).feature_map
+    params = la.get("rfa").init(jax.random.key(0), num_heads=2, head_dim=8, gate=True)
+    q, k, _ = qkv()
+    assert fm.key(k, params).log_decay.shape == k.shape[:3]
+    assert la.get("rfa").feature_map.key(k, params).log_decay is None
+
+
+def test_recurrent_step_equals_the_causal_core():
+    """Token by token, `core.recurrent_step` gives the chunked causal output (decays and key
+    log-scales included)."""
+    b, t, h, m_, dv = 2, 9, 2, 5, 3
+    ks = jax.random.split(jax.random.key(0), 5)
+    pq = jnp.exp(jax.random.normal(ks[0], (b, t, h, m_)))
+    pk = jnp.exp(jax.random.normal(ks[1], (b, t, h, m_)))
+    v = jax.random.normal(ks[2], (b, t, h, dv))
+    n = 30.0 * jax.random.normal(ks[3], (b, t, h))
+    g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (b, t, h)))
+    for log_scale, log_decay in ((n, None), (None, g)):
+        want = core.linear_attention(
+            pq, pk, v, causal=True, chunk_size=4, key_log_scale=log_scale, log_decay=log_decay
+        )
+        state = core.recurrent_init(b, h, m_, dv)
+        outs = []
+        for i in range(t):
+            sl = slice(i, i + 1)
+            keys = core.KeyFeatures(
+                pk[:, sl],
+                None if log_scale is None else log_scale[:, sl],
+                None if log_decay is None else log_decay[:, sl],
+            )
+            out, state = core.recurrent_step(state, pq[:, sl], keys, v[:, sl])
+            outs.append(out)
+        np.testing.assert_allclose(jnp.concatenate(outs, 1), want, rtol=1e-4, atol=1e-5)
+
+
+def test_recurrent_step_stable_for_huge_key_scales():
+    """The running-max stabiliser: key log-scales far beyond float32's exp range (up to 400)
+    give the exact ratio, checked against float64 prefix sums."""
+    rng = np.random.default_rng(0)
+    t, m, dv = 9, 5, 3
+    a = rng.uniform(-400, 400, (1, t, 1))
+    b = rng.uniform(0.1, 1.0, (1, t, 1, m))
+    v = rng.standard_normal((1, t, 1, dv))
+    pq = rng.uniform(0.1, 1.0, (1, t, 1, m))
+    state = core.recurrent_init(1, 1, m, dv)
+    for i in range(t):
+        sl = slice(i, i + 1)
+        keys = core.KeyFeatures(jnp.asarray(b[:, sl], jnp.float32), jnp.asarray(a[:, sl]))
+        out, state = core.recurrent_step(state, jnp.asarray(pq[:, sl]), keys, jnp.asarray(v[:, sl]))
+        w = np.exp(a[0, : i + 1, 0] - a[0, : i + 1, 0].max()) * (b[0, : i + 1, 0] @ pq[0, i, 0])
+        want = w @ v[0, : i + 1, 0] / w.sum()
+        np.testing.assert_allclose(np.asarray(out[0, 0, 0]), want, rtol=1e-4, atol=1e-6)
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in state)
