@@ -145,6 +145,11 @@ def test_text_task_with_mock_data(tmp_path):
         assert batch["inputs"].shape == (4, 48) and batch["targets"].dtype == np.int32
         mini = get_task("text", {"data_dir": tmp_path, "variant": "mini", "num_train": 5})
         assert len(mini.splits["train"]) == 5 and mini.seq_len == 512
+        # LRA's setting: byte ids + 1 (vocab 257, no specials), 4000 tokens for "4K"
+        full = get_task("text", {"data_dir": tmp_path})
+        assert (full.vocab_size, full.seq_len) == (257, 4000)
+        ex = full.splits["train"][0]["inputs"]
+        assert ex.shape == (4000,) and 1 <= ex[0] <= 256 and ex.max() < 257
 
 
 def test_gray_conversion_matches_tf_formula():

@@ -7,8 +7,11 @@ the command that builds it.
 
 Text (LRA's byte-level IMDB): tfds ``imdb_reviews`` (config ``plain_text``); as in LRA,
 train = ``train`` and both val and test = ``test`` (IMDB has no validation split). Bytes
-are tokenised by ``tokenizers.encode_bytes`` (0 = pad, byte b -> b + 1, optional CLS/EOS;
-``vocab_size = 259``), truncated/padded to ``seq_len`` (full: 4096, LRA's "4K"; mini: 512).
+are tokenised as LRA does (``tfds.deprecated.text.ByteTextEncoder``: byte b -> b + 1,
+0 = pad; ``vocab_size = 257``) by ``tokenizers.encode_bytes``, truncated/padded to
+``seq_len`` (full: 4000, LRA's "4K" setting, its ``max_length`` for the 4K runs; mini:
+512). Our additions, off by default: ``add_cls`` / ``add_eos`` put CLS (257) / EOS (258)
+ids around the bytes, and then ``vocab_size = 259``.
 
 Image (LRA's grayscale CIFAR-10): tfds ``cifar10``; as in LRA, train = ``train[:90%]``,
 val = ``train[90%:]``, test = ``test``. RGB -> gray as ``tf.image.rgb_to_grayscale`` on
@@ -29,11 +32,12 @@ import numpy as np
 from . import _config
 from .errors import DatasetNotFoundError
 from .pipeline import LazySource, Task
-from .tokenizers import BYTE_VOCAB_SIZE, encode_bytes
+from .tokenizers import BYTE_OFFSET, BYTE_VOCAB_SIZE, encode_bytes
 
 GRAY_WEIGHTS = np.array([0.2989, 0.5870, 0.1140], dtype=np.float32)
 
-TEXT_SEQ_LEN = {"mini": 512, "full": 4096}
+TEXT_SEQ_LEN = {"mini": 512, "full": 4000}
+TEXT_VOCAB_SIZE = BYTE_OFFSET + 256  # 257: LRA's byte ids; + CLS, EOS = BYTE_VOCAB_SIZE
 # mini variants: random (seed 0) subsets of this many examples per split
 MINI_SIZES = {"train": 4_000, "val": 500, "test": 500}
 
@@ -116,7 +120,8 @@ def build_text(cfg: Mapping[str, Any]) -> Task:
     variant = _config.variant(cfg)
     seq_len = _config.positive_int(cfg, "seq_len", TEXT_SEQ_LEN[variant])
     data_dir = tfds_data_dir(cfg)
-    fn = text_example(seq_len, bool(cfg.get("add_cls", False)), bool(cfg.get("add_eos", False)))
+    add_cls, add_eos = bool(cfg.get("add_cls", False)), bool(cfg.get("add_eos", False))
+    fn = text_example(seq_len, add_cls, add_eos)
     train = open_source("imdb_reviews", "train", data_dir)
     test = open_source("imdb_reviews", "test", data_dir)
     sizes = _sizes(cfg)
@@ -128,7 +133,7 @@ def build_text(cfg: Mapping[str, Any]) -> Task:
     return Task(
         name="text",
         splits=splits,
-        vocab_size=BYTE_VOCAB_SIZE,
+        vocab_size=BYTE_VOCAB_SIZE if add_cls or add_eos else TEXT_VOCAB_SIZE,
         num_classes=2,
         seq_len=seq_len,
         is_pair=False,
