@@ -244,3 +244,21 @@ def test_missing_pathfinder_errors(tmp_path):
     assert "pathfinder32 easy" in msg and "curv_baseline" in msg and "lra_release" in msg
     with pytest.raises(DatasetNotFoundError, match="train.data.prepare pathfinder"):
         get_task("pathfinder", {"data_dir": tmp_path, "variant": "mini", "generate": False})
+
+
+def test_configs_reach_the_generator():
+    from train import configs
+    from train.data import _config
+
+    def spec(preset, *overrides):
+        c = configs.get_config("pathfinder", preset)
+        configs.apply_overrides(c, overrides)
+        return pathfinder.spec_from_config(_config.as_dict(c.data))
+
+    assert spec("mini") == pathfinder.MINI and spec("full") == pathfinder.FULL
+    assert spec("pathx") == pathfinder.PATHX
+    assert spec("full", "data.difficulty=easy") == pathfinder.difficulty_spec("easy")
+    got = spec("mini", "data.contour_length=5", "data.seed_distance=3", "data.data_seed=2")
+    assert got == dataclasses.replace(pathfinder.MINI, contour_length=5, seed_distance=3, seed=2)
+    with pytest.raises(ValueError, match="presets"):
+        configs.get_config("pathfinder", "huge")

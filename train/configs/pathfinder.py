@@ -1,17 +1,40 @@
-"""Pathfinder (LRA ``pathfinder32``): are the two dots connected by a path? Binary.
+"""Pathfinder (LRA ``pathfinder32``): are the two dots on the same contour? Binary.
 
 ``full``: LRA's ``image/configs/pathfinder32/transformer_base.py``: batch 512, 200 epochs
 of 160000 images (312 steps each: 62400 steps), Adam with no weight decay, cosine decay
 with peak 1e-3 and one epoch of warmup, 1 layer, 4 heads, emb 128, qkv 64, mlp 128,
 dropout 0.2, **mean pooling**, sinusoidal positions (``learn_pos_emb=False``). No padding
-mask (images). 1024 tokens (32x32).
-``mini``: generated 16x16 images (256 tokens, 4000 train), 2 layers, width 64, 4 heads,
-mean pooling, 500 steps.
+mask (images). 1024 tokens (32x32). Data: our snakes generator at LRA's "hard" setting
+(``data.difficulty``: ``easy`` / ``intermediate`` / ``hard`` = contour length 6 / 9 / 14),
+or LRA's released images with ``data.source='lra'``.
+``pathx``: the same model and schedule on 128x128 images (16384 tokens) drawn with
+``train.data.pathfinder.PATHX``.
+``mini``: ``train.data.pathfinder.MINI`` (16x16 images, 256 tokens, 8000 train; main
+contours of 4 paddles, one distractor), 2 layers, width 64, 4 heads, mean pooling, 500
+steps (the README reports what this budget reaches).
+
+Any field of the generator (``PathfinderSpec``: ``image_size``, ``contour_length``,
+``num_distractors``, ...) can be set under ``data`` (``--set data.contour_length=9``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import ml_collections
+
 from train.configs import default
+
+
+def _spec_fields(c: ml_collections.ConfigDict) -> None:
+    """``data.<field>`` = None (the variant's value) for every generator field."""
+    from train.data.pathfinder import PathfinderSpec
+
+    kinds = {"int": int, "float": float}
+    c.data.difficulty = "hard"
+    for f in dataclasses.fields(PathfinderSpec):
+        if f.name not in ("seed", "num_train", "num_val", "num_test"):
+            c.data[f.name] = ml_collections.FieldReference(None, field_type=kinds[f.type])
 
 
 def get_config(preset: str = "full"):
@@ -20,12 +43,19 @@ def get_config(preset: str = "full"):
     c.preset = preset
     c.model.pad_mask = False
     c.model.pooling = "mean"
+    _spec_fields(c)
     if preset == "mini":
         c.data.variant = "mini"
         return c
-    if preset != "full":
-        raise ValueError(f"pathfinder presets: 'mini', 'full'; got {preset!r}")
+    if preset not in ("full", "pathx"):
+        raise ValueError(f"pathfinder presets: 'mini', 'full', 'pathx'; got {preset!r}")
     c.data.variant = "full"
+    if preset == "pathx":
+        from train.data.pathfinder import FULL, PATHX
+
+        for f in dataclasses.fields(PATHX):
+            if getattr(PATHX, f.name) != getattr(FULL, f.name):
+                c.data[f.name] = getattr(PATHX, f.name)
     c.model.update(
         num_layers=1,
         emb_dim=128,
