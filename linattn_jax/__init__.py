@@ -23,7 +23,17 @@ from linattn_jax import flexformer  # noqa: F401  (flexformer_s, flexformer_n)
 from linattn_jax import nystrom  # noqa: F401  (nystromformer, soft, laplacian)
 from linattn_jax import randomized  # noqa: F401  (ra, lara)
 # isort: on
-from linattn_jax import linen, nn  # noqa: E402
+from linattn_jax import linen, nn, parallel  # noqa: E402
 
-__all__ = ["Mechanism", "causal_names", "core", "get", "linen", "names", "nn", "register"]
+__all__ = [
+    "Mechanism",
+    "causal_names",
+    "core",
+    "get",
+    "linen",
+    "names",
+    "nn",
+    "parallel",
+    "register",
+]
 __version__ = "0.1.0"

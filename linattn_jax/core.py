@@ -121,7 +121,62 @@ def linear_attention(
         num = jnp.einsum("bthm,bhmd->bthd", phi_q, kv)
         den = jnp.einsum("bthm,bhm->bth", phi_q, z)
         return num / guard_denominator(den, eps)[..., None]
-    return _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps)
+    return _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps)[0]
+
+
+def causal_linear_attention_from(
+    initial_state,
+    phi_q,
+    phi_k,
+    v,
+    *,
+    mask=None,
+    chunk_size: int = 64,
+    log_decay=None,
+    key_log_scale=None,
+    eps: float = DENOMINATOR_EPS,
+):
+    """Causal `linear_attention` continuing from `initial_state` (a `RecurrentState` of
+    the keys that precede this block, e.g. on earlier devices); returns ``(out, state)``
+    with the state after the block's keys. With an empty initial state
+    (`recurrent_init`) the output equals ``linear_attention(..., causal=True)``.
+    """
+    phi_q, phi_k, v = phi_q.astype(_f32), phi_k.astype(_f32), v.astype(_f32)
+    phi_k = _apply_key_mask(phi_k, mask)
+    ns = _masked_log_scale(key_log_scale, mask, phi_k.shape[:3])
+    return _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps, initial_state)
+
+
+def block_state(phi_k, v, *, mask=None, log_decay=None, key_log_scale=None):
+    """The `RecurrentState` of one block of keys alone (from an empty state), in one pass:
+    ``s = sum_j exp(G - G_j + n_j - c) phi(k_j) v_j^T`` with ``G_j`` the cumulative log decay
+    up to j, ``G`` its total and ``c`` the max of the key log-scales (detached)."""
+    phi_k, v = _apply_key_mask(phi_k.astype(_f32), mask), v.astype(_f32)
+    ns = _masked_log_scale(key_log_scale, mask, phi_k.shape[:3])
+    c = lax.stop_gradient(jnp.max(ns, axis=1))  # [B, H]
+    logw = ns - c[:, None]
+    if log_decay is not None:
+        g = jnp.cumsum(log_decay.astype(_f32), axis=1)
+        logw = logw + g[:, -1:] - g
+    w = jnp.exp(logw)[..., None]
+    return RecurrentState(
+        jnp.einsum("bthm,bthd->bhmd", phi_k * w, v), jnp.sum(phi_k * w, axis=1), c
+    )
+
+
+def combine_states(first: RecurrentState, second: RecurrentState, second_log_decay=None):
+    """The state of two consecutive blocks of keys from each block's own state
+    (`block_state`): ``first`` decayed by the second block's total log decay
+    ``[B, H]`` (None: no decay), then ``second``, under the larger stabiliser."""
+    g = 0.0 if second_log_decay is None else second_log_decay
+    c = jnp.maximum(first.c, second.c)
+    a = jnp.exp(g + first.c - c)
+    b = jnp.exp(second.c - c)
+    return RecurrentState(
+        first.s * a[..., None, None] + second.s * b[..., None, None],
+        first.z * a[..., None] + second.z * b[..., None],
+        c,
+    )
 
 
 #: Log-scale of masked (and padded) keys: finite, so differences never give NaN.
@@ -136,7 +191,9 @@ def _masked_log_scale(key_log_scale, mask, shape):
     return ns
 
 
-def _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps):
+def _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps, initial_state=None):
+    """``(out [B, T, H, Dv], final RecurrentState)``; `initial_state` is the state of the
+    keys before this sequence (default: none)."""
     b, t, h, m = phi_q.shape
     dv = v.shape[-1]
     c = min(chunk_size, t)
@@ -187,15 +244,11 @@ def _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps):
         z = z * old[..., None] + jnp.sum(pk * w, axis=1)
         return (s, z, m_new), out
 
-    init = (
-        jnp.zeros((b, h, m, dv), _f32),
-        jnp.zeros((b, h, m), _f32),
-        jnp.full((b, h), _NEG, _f32),
-    )
+    init = recurrent_init(b, h, m, dv) if initial_state is None else initial_state
     xs = (chunks(phi_q), chunks(phi_k), chunks(v), g, chunks(ns))
-    _, out = lax.scan(step, init, xs)
+    final, out = lax.scan(step, tuple(init), xs)
     out = jnp.moveaxis(out, 0, 1).reshape(b, n * c, h, dv)
-    return out[:, :t]
+    return out[:, :t], RecurrentState(*final)
 
 
 def quadratic_reference(
@@ -442,6 +495,9 @@ __all__ = [
     "KeyFeatures",
     "RecurrentState",
     "attend_features",
+    "block_state",
+    "causal_linear_attention_from",
+    "combine_states",
     "recurrent_init",
     "recurrent_step",
     "guard_denominator",

@@ -1,0 +1,195 @@
+"""Sequence parallelism: attention over sequences sharded along T on a mesh axis.
+
+    attend = la.parallel.sequence_parallel(la.get("performer"), mesh, axis="seq")
+    out = attend(q, k, v, params, rng, causal=True)    # q, k, v sharded [B, T/seq, H, D]
+
+`sequence_parallel` returns a function with the signature of ``mechanism.attention`` whose
+q, k, v (and mask) are split along T over the mesh axis `axis` (the batch over the other
+mesh axes, or as `batch_axes` says), built with `jax.shard_map`. No device ever holds a
+T-long tensor of another device:
+
+* **Feature-map mechanisms** (``mechanism.feature_map``, SPEC section 7): each device maps
+  its own queries and keys. Non-causal: the key states ``S = sum_j phi(k_j) v_j^T`` and
+  ``z = sum_j phi(k_j)`` are summed over the axis (``psum``), under the key log-scales'
+  global maximum (``pmax``). Causal: each device summarises its keys as a
+  `linattn_jax.core.block_state`, the summaries (``[B, H, M, Dv]`` each) are gathered, and
+  every device folds those of the devices before it (`linattn_jax.core.combine_states`:
+  decays such as rfa's gate and the key log-scales of performer and flexformer carried
+  exactly) into the initial state of its own chunked causal pass.
+* Every other mechanism raises `NotImplementedError` naming the supported ones.
+
+The result equals ``mechanism.attention`` on one device to float32 rounding, gradients
+included (tests/test_parallel.py). Random features (performer, rfa) are drawn once from
+`rng` and shared by all devices, so the sharded call and the one-device call with the same
+`rng` use the same features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from linattn_jax import core, registry
+
+_f32 = jnp.float32
+
+
+def supported_names() -> list[str]:
+    """Mechanisms that `sequence_parallel` accepts (the feature-map ones)."""
+    return [n for n in registry.names() if registry.get(n).feature_map is not None]
+
+
+def _check_mesh(mesh: Mesh, axis: str, batch_axes: Sequence[str]) -> None:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"sequence_parallel: mesh must be a jax.sharding.Mesh, got {type(mesh)}")
+    names = tuple(mesh.axis_names)
+    if axis not in names:
+        raise ValueError(f"sequence_parallel: mesh axes {names} have no sequence axis {axis!r}")
+    for a in batch_axes:
+        if a not in names or a == axis:
+            raise ValueError(
+                f"sequence_parallel: batch_axes {tuple(batch_axes)} must be mesh axes other "
+                f"than {axis!r}; mesh axes {names}"
+            )
+
+
+def _check_lengths(q, k, mask, mesh, axis, batch_axes):
+    n = mesh.shape[axis]
+    for what, x in (("q", q), ("k", k)):
+        if x.ndim != 4 or x.shape[1] % n:
+            raise ValueError(
+                f"sequence_parallel: {what} {tuple(x.shape)} must be [B, T, H, D] with T "
+                f"divisible by the {n} devices of mesh axis {axis!r}"
+            )
+    ways = 1
+    for a in batch_axes:
+        ways *= mesh.shape[a]
+    if q.shape[0] % ways:
+        raise ValueError(
+            f"sequence_parallel: batch {q.shape[0]} is not divisible by the {ways} devices of "
+            f"batch_axes {tuple(batch_axes)}"
+        )
+    if mask is not None and (mask.ndim != 2 or mask.shape[1] % n):
+        raise ValueError(f"sequence_parallel: mask {tuple(mask.shape)} must be [B, Tk]")
+
+
+def _exclusive_prefix(summary: core.RecurrentState, total_log_decay, axis: str):
+    """The state of the keys on the devices before this one along `axis`."""
+    gathered = jax.tree.map(lambda x: lax.all_gather(x, axis), (summary, total_log_decay))
+    states, decays = gathered
+    me = lax.axis_index(axis)
+    n = decays.shape[0]
+    b, h, m, dv = summary.s.shape
+    acc = core.recurrent_init(b, h, m, dv)
+    for j in range(n):  # static and small: the number of devices on the axis
+        nxt = core.combine_states(acc, jax.tree.map(lambda x, j=j: x[j], states), decays[j])
+        acc = jax.tree.map(lambda new, old, j=j: jnp.where(j < me, new, old), nxt, acc)
+    return acc
+
+
+def _feature_map_body(fmap, causal, chunk_size, axis):
+    def body(q, k, v, params, mask=None):
+        phi_q = fmap.query(q, params)
+        keys = fmap.key(k, params)
+        if not causal:
+            if keys.log_decay is not None:
+                raise ValueError("sequence_parallel: a log decay needs causal=True")
+            state = core.block_state(keys.phi, v, mask=mask, key_log_scale=keys.log_scale)
+            c = lax.stop_gradient(lax.pmax(state.c, axis))
+            w = jnp.exp(state.c - c)
+            s = lax.psum(state.s * w[..., None, None], axis)
+            z = lax.psum(state.z * w[..., None], axis)
+            num = jnp.einsum("bthm,bhmd->bthd", phi_q.astype(_f32), s)
+            den = jnp.einsum("bthm,bhm->bth", phi_q.astype(_f32), z)
+            return (num / core.guard_denominator(den)[..., None]).astype(q.dtype)
+        summary = core.block_state(
+            keys.phi, v, mask=mask, log_decay=keys.log_decay, key_log_scale=keys.log_scale
+        )
+        if keys.log_decay is None:
+            total = jnp.zeros(summary.c.shape, _f32)
+        else:
+            total = jnp.sum(keys.log_decay.astype(_f32), axis=1)
+        prefix = _exclusive_prefix(summary, total, axis)
+        out, _ = core.causal_linear_attention_from(
+            prefix,
+            phi_q,
+            keys.phi,
+            v,
+            mask=mask,
+            chunk_size=chunk_size,
+            log_decay=keys.log_decay,
+            key_log_scale=keys.log_scale,
+        )
+        return out.astype(q.dtype)
+
+    return body
+
+
+def sequence_parallel(
+    mechanism: registry.Mechanism,
+    mesh: Mesh,
+    axis: str = "seq",
+    *,
+    batch_axes: Sequence[str] | None = None,
+) -> Callable:
+    """``mechanism.attention`` on q, k, v sharded along T over the mesh axis `axis`.
+
+    Args:
+      mechanism: a registry mechanism (bound config applies); one of `supported_names`.
+      mesh: the device mesh.
+      axis: the mesh axis that splits the sequence (T must be divisible by its size).
+      batch_axes: mesh axes that split the batch (default: every other mesh axis).
+
+    Returns:
+      ``fn(q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False,
+      **config)`` with the contract of ``mechanism.attention``; the output is sharded like q.
+
+    Raises:
+      NotImplementedError: the mechanism is not a feature map.
+      ValueError: the mesh has no `axis`, or (at call time) T or B do not divide.
+    """
+    fmap = mechanism.feature_map
+    if fmap is None:
+        raise NotImplementedError(
+            f"sequence_parallel supports the feature-map mechanisms {supported_names()}; "
+            f"{mechanism.name!r} is not one of them"
+        )
+    batch_axes = (
+        tuple(a for a in mesh.axis_names if a != axis) if batch_axes is None else batch_axes
+    )
+    _check_mesh(mesh, axis, tuple(batch_axes))
+    bspec = tuple(batch_axes) or None
+    seq = PartitionSpec(bspec, axis, None, None)
+    seq_mask = PartitionSpec(bspec, axis)
+
+    def fn(q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, **config):
+        # The mechanism's own checks (shapes, dtypes, config, rng, params), abstractly.
+        jax.eval_shape(
+            lambda q, k, v, p, r: mechanism.attention(
+                q, k, v, p, r, mask=mask, causal=causal, deterministic=deterministic, **config
+            ),
+            q,
+            k,
+            v,
+            params,
+            rng,
+        )
+        _check_lengths(q, k, mask, mesh, axis, tuple(batch_axes))
+        fm = fmap.bind(**config)
+        resolved = fm.resolve(params, rng, deterministic=deterministic)
+        chunk_size = int({**mechanism.defaults, **config}.get("chunk_size", 64))
+        body = _feature_map_body(fm, causal, chunk_size, axis)
+        args, specs = (q, k, v, resolved), (seq, seq, seq, PartitionSpec())
+        if mask is not None:
+            args, specs = (*args, mask), (*specs, seq_mask)
+        sharded = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=seq, check_vma=False)
+        return sharded(*args)
+
+    return fn
+
+
+__all__ = ["sequence_parallel", "supported_names"]

@@ -1,0 +1,73 @@
+"""Sequence parallelism (`linattn_jax.parallel`): sharded along T == one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers import init, mech
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import linattn_jax as la
+from linattn_jax import parallel
+
+_CASES = [(n, {}, c) for n in parallel.supported_names() for c in (False, True)]
+_CASES.append(("rfa", {"gate": True}, True))
+# Gradients on the cases that exercise each part of the combination: key log-scales
+# (performer, causal), decays (rfa's gate), the all-reduce (non-causal).
+_GRAD_CASES = [("performer", {}, True), ("rfa", {"gate": True}, True), ("hedgehog", {}, False)]
+
+
+def _mesh(data=2, seq=4):
+    return Mesh(np.array(jax.devices()[: data * seq]).reshape(data, seq), ("data", "seq"))
+
+
+def _setup(name, config, causal, t=16, b=2, h=2, d=8):
+    m = mech(name, chunk_size=2, **config)
+    params = init(m)
+    ks = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (b, t, h, d)) for kk in ks)
+    mask = jnp.arange(t)[None, :] < jnp.array([[t], [t - 5]])  # the last shard partly padded
+    mesh = _mesh()
+    attend = parallel.sequence_parallel(m, mesh, "seq")
+    rng = jax.random.key(7)
+    kw = dict(mask=mask, causal=causal, deterministic=False)
+    sharded = NamedSharding(mesh, PartitionSpec("data", "seq"))
+    qkv_s = tuple(jax.device_put(x, sharded) for x in (q, k, v))
+    return m, params, (q, k, v), qkv_s, attend, rng, kw
+
+
+@pytest.mark.parametrize(("name", "config", "causal"), _CASES, ids=str)
+def test_sequence_parallel_equals_one_device(name, config, causal):
+    m, params, qkv, qkv_s, attend, rng, kw = _setup(name, config, causal)
+    got = jax.jit(lambda q, k, v, p: attend(q, k, v, p, rng, **kw))(*qkv_s, params)
+    want = m.attention(*qkv, params, rng, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-5)
+    assert tuple(got.sharding.spec)[:2] == ("data", "seq")  # the output stays sharded
+
+
+@pytest.mark.parametrize(("name", "config", "causal"), _GRAD_CASES, ids=str)
+def test_sequence_parallel_gradients_equal_one_device(name, config, causal):
+    m, params, qkv, qkv_s, attend, rng, kw = _setup(name, config, causal)
+
+    def loss(fn, q, k, v, p):
+        return jnp.sum(jnp.sin(fn(q, k, v, p, rng, **kw)))
+
+    g = jax.jit(jax.grad(lambda *a: loss(attend, *a), argnums=(0, 1, 2, 3)))(*qkv_s, params)
+    g0 = jax.grad(lambda *a: loss(m.attention, *a), argnums=(0, 1, 2, 3))(*qkv, params)
+    for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(g0), strict=True):
+        scale = float(jnp.max(jnp.abs(y))) + 1e-6
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-3, atol=1e-4 * scale)
+
+
+def test_bad_meshes_and_mechanisms_raise():
+    m = mech("linear_elu")
+    q, k, v = jnp.ones((3, 2, 10, 2, 8))
+    with pytest.raises(ValueError, match="no sequence axis 'seq'"):
+        parallel.sequence_parallel(m, Mesh(np.array(jax.devices()[:2]), ("data",)))
+    attend = parallel.sequence_parallel(m, _mesh())
+    with pytest.raises(ValueError, match=r"T divisible by the 4 devices of mesh axis 'seq'"):
+        attend(q, k, v, {})
+    with pytest.raises(NotImplementedError, match="'softmax' is not one of them"):
+        parallel.sequence_parallel(la.get("softmax"), _mesh())
+    with pytest.raises(ValueError, match="causal"):  # the mechanism's own checks still apply
+        attend(q[:, :8], k, v, {}, causal=True)
