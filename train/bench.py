@@ -15,6 +15,8 @@ Subcommands (each prints a markdown table, writes JSON with ``--out`` and a PNG 
 * ``model``: one training step (AdamW) of a small 2-layer dual encoder shaped like LRA
   Retrieval (two documents of T = 4k bytes, B = 2) per mechanism: step time and memory as
   ratios to softmax.
+* ``kernel_fit``: fits each learnable kernel to a non-stationary target attention at an
+  equal feature budget (`train.bench_kernel_fit`).
 * ``report``: the markdown summary (ratios at one T, crossing points, growth per doubling,
   fidelity and model tables) from the JSON files of the other subcommands.
 
@@ -1393,6 +1395,11 @@ def main(argv: Sequence[str] | None = None) -> dict | str:
     m.add_argument("--min-total-s", type=float, default=2.0)
     m.add_argument("--memory-budget-gib", type=float, default=None, help="default 0.3 x RAM")
 
+    from train import bench_kernel_fit
+
+    kf = sub.add_parser("kernel_fit", help="fit learnable kernels to a non-stationary target")
+    bench_kernel_fit.add_arguments(kf)
+
     r = sub.add_parser("report", help="markdown summary from the JSON results")
     r.add_argument("--scaling", nargs="+", default=None, help="one or more scaling JSONs")
     r.add_argument("--fidelity", default=None)
@@ -1415,6 +1422,9 @@ def main(argv: Sequence[str] | None = None) -> dict | str:
         table = kbench.main(rest)
         _write_json({"kind": "kernels", "environment": environment(), "table": table}, args.out)
         return table
+
+    if args.command == "kernel_fit":
+        return bench_kernel_fit.main_from_args(args)
 
     if args.command == "report":
         loaded = {}
