@@ -33,6 +33,8 @@ choice of RA's key m* carries no gradient.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -47,7 +49,7 @@ ALPHA_FLOOR = 1e-8
 #: LayerNorm epsilon of the learned proposal.
 LN_EPS = 1e-5
 
-_PROPOSALS = ("mean", "learned")
+_PROPOSALS = ("mean", "adaptive-1d", "pool", "learned")
 _MIS = ("opt", "bh")
 
 
@@ -253,19 +255,27 @@ RA = register(
 
 # ----------------------------------------------------------------------------- LARA
 
+#: Proposal networks (params). ``"learned"``: per token on the scaled q^, k^ (kept for
+#: existing configs); ``"adaptive-1d"``: per token on the unscaled q, k (the official
+#: code); ``"pool"``: on the pooled landmarks of the unscaled q, k (the official 2-D one).
+_NETS = ("learned", "adaptive-1d", "pool")
+
 
 def _learned_names(side: str):
     return (f"proj_{side}_w", f"proj_{side}_b", f"ln_{side}_scale", f"ln_{side}_bias")
 
 
 def lara_init(rng, *, num_heads: int, head_dim: int, proposal: str = "mean"):
-    """LARA params: ``{}`` for ``proposal="mean"``; for ``"learned"``, per side s in {q, k}:
+    """LARA params: ``{}`` for ``proposal="mean"``; for a proposal network, per side s in {q, k}:
 
     ``proj_s_w [H, d, d]`` (init identity), ``proj_s_b [H, d]`` (0),
-    ``ln_s_scale [H, d]`` (1), ``ln_s_bias [H, d]`` (0): the per-token proposal
-    network ``LayerNorm(x^ W + b)`` applied to q^ (resp. k^) before the landmark
-    means. The init is deterministic (`rng` unused). Note that even at init the
-    learned proposal differs from ``"mean"``: LayerNorm standardises each token.
+    ``ln_s_scale [H, d]`` (1), ``ln_s_bias [H, d]`` (0): the map ``LayerNorm(x W + b)``,
+    per head, applied to q, k before the landmark means (``"learned"``: on the scaled q^,
+    k^; ``"adaptive-1d"``: on the unscaled q, k, then scaled by ``d^(-1/4)``) or to the
+    landmarks of the unscaled q, k (``"pool"``, then scaled). The official code shares one
+    ``Linear(d, d) + LayerNorm(d)`` across heads ("light" pool module); we keep one per head.
+    Its init is PyTorch's default (random); ours is deterministic (`rng` unused). Even at
+    init a network's proposal differs from ``"mean"``: LayerNorm standardises each vector.
     """
     del rng
     _checks.check_choice("lara", "proposal", proposal, _PROPOSALS)
@@ -293,19 +303,29 @@ def _proposal_features(x, params, side):
 
 
 def _check_lara(q, k, v, params, mask, causal, rng, deterministic, cfg):
-    num_landmarks, num_samples, proposal, grid, antithetic, mis, alpha_coeff = cfg
     _checks.check_inputs("lara", q, k, v, mask, causal=causal)
     _checks.check_causal_supported("lara", causal)
-    _checks.check_positive("lara", num_landmarks=num_landmarks)
-    _check_samples("lara", rng, deterministic, num_samples)
-    _checks.check_choice("lara", "proposal", proposal, _PROPOSALS)
-    _checks.check_choice("lara", "mis", mis, _MIS)
-    if not isinstance(antithetic, bool):
-        raise ValueError(f"lara: antithetic must be a bool, got {antithetic!r}")
+    _checks.check_positive("lara", num_landmarks=cfg.num_landmarks)
+    _check_samples("lara", rng, deterministic, cfg.num_samples)
+    _checks.check_choice("lara", "proposal", cfg.proposal, _PROPOSALS)
+    _checks.check_choice("lara", "mis", cfg.mis, _MIS)
+    for key in ("antithetic", "mixed"):
+        if not isinstance(getattr(cfg, key), bool):
+            raise ValueError(f"lara: {key} must be a bool, got {getattr(cfg, key)!r}")
+    alpha_coeff, noise_scale, grid = cfg.alpha_coeff, cfg.noise_scale, cfg.grid
     if isinstance(alpha_coeff, bool) or not isinstance(alpha_coeff, int | float):
         raise ValueError(f"lara: alpha_coeff must be a float >= 0, got {alpha_coeff!r}")
     if not alpha_coeff >= 0.0 or alpha_coeff == float("inf"):
         raise ValueError(f"lara: alpha_coeff must be a finite float >= 0, got {alpha_coeff!r}")
+    if noise_scale is not None and (
+        isinstance(noise_scale, bool)
+        or not isinstance(noise_scale, int | float)
+        or not 0.0 < noise_scale < float("inf")
+    ):
+        raise ValueError(
+            f"lara: noise_scale must be None (d ** -0.25) or a finite float > 0, "
+            f"got {noise_scale!r}"
+        )
     if grid is not None:
         if (
             not isinstance(grid, tuple)
@@ -321,7 +341,7 @@ def _check_lara(q, k, v, params, mask, causal, rng, deterministic, cfg):
                     f"lara: grid={grid} has {grid[0] * grid[1]} cells, more than the length of "
                     f"{arg} {x.shape}"
                 )
-    if proposal == "learned":
+    if cfg.proposal in _NETS:
         h, d = q.shape[2], q.shape[3]
         shapes = {}
         for side in ("q", "k"):
@@ -330,33 +350,64 @@ def _check_lara(q, k, v, params, mask, causal, rng, deterministic, cfg):
         _checks.check_params("lara", params, shapes)
 
 
-def _lara_proposals(q, k, params, mask, num_landmarks, proposal, grid):
+class _Cfg(NamedTuple):
+    num_landmarks: int
+    num_samples: int
+    proposal: str
+    grid: tuple[int, int] | None
+    antithetic: bool
+    mis: str
+    alpha_coeff: float
+    noise_scale: float | None
+    mixed: bool
+
+
+def _lara_proposals(q, k, params, mask, cfg):
     """Landmarks and proposal means.
 
-    Returns ``(qh, kh, q_bar, mu, valid_c, q_valid)``: scaled inputs ``[B, T, H, d]``,
+    Returns ``(qh, kh, q_bar, mu, valid_c, q_mask)``: scaled inputs ``[B, T, H, d]``,
     query landmarks ``q~ [B, L, H, d]``, proposal means ``mu = q~ + k~ [B, L, H, d]``,
-    ``valid_c [B, L]`` (both landmarks of slot c exist) and ``q_valid [B, Tq]``.
+    ``valid_c [B, L]`` (both landmarks of slot c exist) and the query mask (None or
+    ``[B, Tq]``), all in the scaled space.
 
     Query and key landmarks use the same slot count L: ``min(C, Tq, Tk)`` for 1-D
     segments (`landmarks.num_landmarks` with the grid for 2-D). The key mask is
     used for the key landmarks and, when ``Tq == Tk`` (self-attention), also for the
     query landmarks and the query statistics r_nc (padded queries take no part).
+    ``mixed=True`` replaces each key landmark by ``sum_c' softmax_c'(k~_c . k~_c') k~_c'``
+    (the official 2-D "-mixed" proposals; over the valid slots).
     """
-    b, tq = q.shape[:2]
-    tk = k.shape[1]
+    tq, tk = q.shape[1], k.shape[1]
+    d = q.shape[-1]
     qh, kh = core.scale_inputs(q), core.scale_inputs(k)
+    proposal, grid = cfg.proposal, cfg.grid
     if proposal == "learned":
         pq, pk = _proposal_features(qh, params, "q"), _proposal_features(kh, params, "k")
+    elif proposal == "adaptive-1d":
+        pq = _proposal_features(q.astype(_f32), params, "q") * d**-0.25
+        pk = _proposal_features(k.astype(_f32), params, "k") * d**-0.25
+    elif proposal == "pool":
+        pq, pk = q.astype(_f32), k.astype(_f32)
     else:
         pq, pk = qh, kh
-    m = num_landmarks if grid is not None else min(num_landmarks, tq, tk)
+    m = cfg.num_landmarks if grid is not None else min(cfg.num_landmarks, tq, tk)
     q_mask = mask if (mask is not None and tq == tk) else None
-    wq, lq = landmarks.assignment(tq, m, mask=q_mask, batch=b, grid=grid)
-    wk, lk = landmarks.assignment(tk, m, mask=mask, batch=b, grid=grid)
-    q_bar = landmarks.segment_means(pq, wq)
-    mu = q_bar + landmarks.segment_means(pk, wk)
-    q_valid = core.key_mask(q_mask, tq, b)
-    return qh, kh, q_bar, mu, lq & lk, q_valid
+    q_bar, lq = landmarks.landmarks(pq, m, mask=q_mask, grid=grid)
+    k_bar, lk = landmarks.landmarks(pk, m, mask=mask, grid=grid)
+    if proposal == "pool":
+        q_bar = _proposal_features(q_bar, params, "q") * d**-0.25
+        k_bar = _proposal_features(k_bar, params, "k") * d**-0.25
+    valid_c = lq & lk
+    if cfg.mixed:
+        logits = jnp.einsum("bchd,behd->bhce", k_bar, k_bar)  # [B, H, L, L]
+        mix = _masked_softmax(logits, lk[:, None, None, :], -1)
+        k_bar = jnp.einsum("bhce,behd->bchd", mix, k_bar)
+    return qh, kh, q_bar, q_bar + k_bar, valid_c, q_mask
+
+
+def resolve_noise_scale(noise_scale, head_dim: int) -> float:
+    """Std of LARA's noise in the scaled space: `noise_scale`, or ``d ** -0.25`` when None."""
+    return head_dim**-0.25 if noise_scale is None else float(noise_scale)
 
 
 def lara_noise(
@@ -372,6 +423,7 @@ def lara_noise(
     """LARA noise ``eps [B, L, S', H, d] ~ N(0, I)``, ``S' = 2S`` if antithetic (``+eps, -eps``).
 
     Proposal c's noise comes from ``fold_in(key, c)`` (independent of L: padding-invariant).
+    Unit variance; `lara_attention` multiplies it by the ``noise_scale``.
     """
     eps = jax.vmap(
         lambda c: jax.random.normal(
@@ -388,19 +440,17 @@ def _lara_terms(q, k, params, rng, mask, deterministic, cfg):
     """Shared setup of `lara_attention` and `lara_reference`: proposals and draws.
 
     Returns a dict with ``omega [B, N, H, d]`` (N = L S' terms, proposal-major),
-    ``term_c [N]`` (the proposal of each term), ``term_valid [B, N]`` and the
-    outputs of `_lara_proposals`.
+    ``per`` (S', terms per proposal), ``term_c [N]`` (the proposal of each term),
+    ``term_valid [B, N]`` and the outputs of `_lara_proposals`.
     """
-    num_landmarks, num_samples, proposal, grid, antithetic, *_ = cfg
     b, _, h, d = q.shape
-    qh, kh, q_bar, mu, valid_c, q_valid = _lara_proposals(
-        q, k, params, mask, num_landmarks, proposal, grid
-    )
+    qh, kh, q_bar, mu, valid_c, q_mask = _lara_proposals(q, k, params, mask, cfg)
     n_prop = mu.shape[1]
     if deterministic:
         omega, per = mu, 1
     else:
-        eps = lara_noise(rng, b, n_prop, num_samples, h, d, antithetic=antithetic)
+        eps = lara_noise(rng, b, n_prop, cfg.num_samples, h, d, antithetic=cfg.antithetic)
+        eps = eps * resolve_noise_scale(cfg.noise_scale, d)
         omega = mu[:, :, None] + eps  # [B, L, S', H, d]
         per = omega.shape[2]
         omega = omega.reshape(b, n_prop * per, h, d)
@@ -411,11 +461,17 @@ def _lara_terms(q, k, params, rng, mask, deterministic, cfg):
         q_bar=q_bar,
         mu=mu,
         valid_c=valid_c,
-        q_valid=q_valid,
+        q_mask=q_mask,
+        q_valid=core.key_mask(q_mask, q.shape[1], b),
         omega=omega,
+        per=per,
         term_c=term_c,
         term_valid=valid_c[:, term_c],
     )
+
+
+def _heads(x):
+    return jnp.swapaxes(x, 1, 2)  # [B, T, H, d] <-> [B, H, T, d]
 
 
 def lara_attention(
@@ -435,16 +491,18 @@ def lara_attention(
     antithetic=False,
     mis="opt",
     alpha_coeff=1.0,
+    noise_scale=None,
+    mixed=False,
 ):
     """Linear randomized attention (LARA), ``[B, Tq, H, Dv]`` in q's dtype. O(C (Tq + Tk) d).
 
     C = `num_landmarks` Gaussian proposals ``g_c = N(mu_c, I)``, ``mu_c = q~_c + k~_c``
-    (landmarks of q^, k^, see `_lara_proposals`; ``proposal="learned"`` first maps
-    each token through ``LayerNorm(x^ W + b)``, see `lara_init`; ``grid=(h, w)``
-    pools the last h*w tokens as an image). Each proposal draws `num_samples`
-    ``omega = mu_c + eps`` (``mu_c +- eps`` pairs if `antithetic`; ``omega = mu_c``
-    and one term per proposal when deterministic). Every draw t = (c, s) is one
-    term of the self-normalised MIS estimator (paper Sec. 4, SPEC Sec. 4 lara):
+    (landmarks of q^, k^, see `_lara_proposals`; a proposal network first maps q, k, see
+    `lara_init`; ``grid=(h, w)`` pools the last h*w tokens as an image). Each proposal
+    draws `num_samples` ``omega = mu_c + s eps``, ``eps ~ N(0, I)`` (``mu_c +- s eps``
+    pairs if `antithetic`; ``omega = mu_c`` and one term per proposal when
+    deterministic), with ``s = noise_scale``. Every draw t = (c, s) is one term of the
+    self-normalised MIS estimator (paper Sec. 4, SPEC Sec. 4 lara):
 
         f(omega_t) = sum_m softmax_m(log xi(k^_m, omega_t)) v_m
         log p~_n(omega_t) = log xi(q^_n, omega_t) + logsumexp_m log xi(k^_m, omega_t)
@@ -454,79 +512,133 @@ def lara_attention(
 
     with ``r_nc = softmax_n(q^_n . q~_c)`` over (valid) queries, ``gamma =
     alpha_coeff`` (``mis="opt"``) or 0 (``mis="bh"``, the balance heuristic) and
-    alpha clamped below at `ALPHA_FLOOR` (in both modes) before the log.
-    Several samples per proposal: the MIS estimator is ``sum_c (1/S) sum_s w_c
-    p~/g_c f``; every proposal has the same S, so the balance heuristic is the same
-    ``g_c / sum_c' g_c'`` per draw and the common 1/S cancels in the
-    self-normalisation: each draw is a term with its own alpha. Because ``sum_c
-    alpha_nc = 1`` (before the clamp) the estimate converges to softmax attention as
-    S grows (where the clamp binds, i.e. a negative ``opt`` weight, it adds a small
-    bias; ``bh`` weights are positive). Invalid landmark slots (fewer unmasked tokens
-    than C) have log weight -inf. Non-causal only. Cost: with N = C S terms,
-    O(N (Tq + Tk) d) plus O(N C d) for the proposal densities; no Tq x Tk array.
+    alpha clamped below at `ALPHA_FLOOR` (in both modes).
+
+    Sampling noise (``noise_scale``; the paper is silent on it beyond "omega ~ g_c"): the
+    densities g_c above have unit variance. ``noise_scale=1.0`` draws from them (the
+    paper's math): self-normalised importance sampling is then consistent and the
+    estimate converges to softmax attention as `num_samples` grows (where the clamp binds,
+    i.e. a negative ``opt`` weight, it adds a small bias). The official code adds unit
+    noise to the unscaled mu before its ``d^(-1/4)`` scaling, i.e. ``noise_scale = d **
+    -0.25``, while its densities still assume variance 1: lower variance, but not
+    consistent (the error stops falling with S). ``noise_scale=None`` (the default) is
+    the official ``d ** -0.25``, chosen by training accuracy at equal budget:
+    ListOps mini, 500 steps, seed 0 (``python -m train.results --tasks listops
+    --attentions lara --steps 500 --set attention_config.noise_scale=X``, d = 16): test
+    accuracy 38.4% with X = 0.5 (= d ** -0.25) against 34.4% with X = 1.0.
+
+    Several samples per proposal: the MIS estimator is ``sum_c (1/S) sum_s w_c p~/g_c
+    f``; every proposal has the same S, so the balance heuristic is the same ``g_c /
+    sum_c' g_c'`` per draw and the common 1/S cancels in the self-normalisation: each
+    draw is a term with its own alpha. Invalid landmark slots (fewer unmasked tokens
+    than C) have weight 0. Non-causal only. Cost: with N = C S terms, O(N (Tq + Tk) d)
+    plus O(N C d) for the proposal densities; no Tq x Tk array.
+
+    Implementation (the math of `lara_reference`, arranged for speed): heads-first
+    ``[B, H, N, T]`` arrays as the official code; one exponential of the key logits
+    serves both f (softmax) and the p~ normaliser (logsumexp); ``-|q^_n|^2 / 2`` is
+    dropped (constant over terms, it cancels in the softmax over t); the final weights
+    are ``max(alpha, floor) exp(log p~ - log g - max)`` in linear space (no log of
+    alpha); no mask arrays when `mask` is None.
 
     Args:
       q: ``[B, Tq, H, Dk]``; k: ``[B, Tk, H, Dk]``; v: ``[B, Tk, H, Dv]``.
-      params: ``{}`` or the learned proposal (`lara_init`).
+      params: ``{}`` or the proposal network (`lara_init`).
       rng: a `jax.random.key` (needed unless deterministic).
       mask: ``[B, Tk]`` bool key padding; respected in f, p~, the key landmarks, and
         (``Tq == Tk``) the query landmarks and r_nc.
-      num_landmarks: C (default 64, as the Nystrom family; min(C, Tq, Tk) in 1-D).
+      num_landmarks: C (default 64, as the Nystrom family; min(C, Tq, Tk) in 1-D; the
+        ViT presets use 49 = 7 x 7 as the official code).
       num_samples: draws per proposal (default 1).
-      proposal: ``"mean"`` (segment means, no params) or ``"learned"``.
+      proposal: ``"mean"`` (segment means of q^, k^, no params), ``"adaptive-1d"``
+        (official: ``LayerNorm(Linear(.))`` per token on the unscaled q, k), ``"pool"``
+        (official 2-D: the network on the pooled landmarks) or ``"learned"`` (ours
+        before the official form was added: the per-token network on the scaled q^, k^;
+        kept so existing configs and checkpoints still work).
       grid: optional ``(h, w)`` for 2-D pooling of the landmarks.
       antithetic: pair each draw eps with -eps (2 S terms per proposal).
       mis: ``"opt"`` (balance heuristic + query-dependent correction) or ``"bh"``.
       alpha_coeff: gamma of ``mis="opt"`` (default 1).
+      noise_scale: std of the sampling noise in the scaled space; None = ``d ** -0.25``.
+      mixed: mix the key landmarks by a softmax over their logits (official "-mixed").
     """
-    cfg = (num_landmarks, num_samples, proposal, grid, antithetic, mis, alpha_coeff)
+    cfg = _Cfg(
+        num_landmarks,
+        num_samples,
+        proposal,
+        grid,
+        antithetic,
+        mis,
+        alpha_coeff,
+        noise_scale,
+        mixed,
+    )
     _check_lara(q, k, v, params, mask, causal, rng, deterministic, cfg)
     t = _lara_terms(q, k, params, rng, mask, deterministic, cfg)
-    qh, kh, omega, mu = t["qh"], t["kh"], t["omega"], t["mu"]
-    b, tk = k.shape[:2]
-    key_valid = core.key_mask(mask, tk, b)[:, None, None, :]  # [B, 1, 1, Tk]
-    cvalid = t["valid_c"][:, None, None, :]  # [B, 1, 1, L]
-    tvalid = t["term_valid"][:, None, None, :]  # [B, 1, 1, N]
+    qh, kh, v32 = _heads(t["qh"]), _heads(t["kh"]), _heads(v.astype(_f32))  # [B, H, T, .]
+    omega, mu = _heads(t["omega"]), _heads(t["mu"])  # [B, H, N, d], [B, H, L, d]
+    masked = mask is not None
+    tvalid = t["term_valid"][:, None, :, None] if masked else None  # [B, 1, N, 1]
 
-    # Keys: log xi(k^_m, omega_t), its softmax (f) and logsumexp (the p~ normaliser).
-    log_xi_k = jnp.einsum("bthd,bmhd->bhtm", omega, kh)
-    log_xi_k = log_xi_k - jnp.transpose(_sq_half(kh), (0, 2, 1))[:, :, None, :]  # [B, H, N, Tk]
-    f = jnp.einsum("bhtm,bmhd->bhtd", _masked_softmax(log_xi_k, key_valid, -1), v.astype(_f32))
-    lse_k = _masked_logsumexp(log_xi_k, key_valid, -1)  # [B, H, N]
+    # Keys: log xi(k^_m, omega_t) [B, H, N, Tk]; one exp gives f and the logsumexp.
+    log_xi_k = jnp.einsum("bhnd,bhmd->bhnm", omega, kh) - _sq_half(kh)[:, :, None, :]
+    if masked:
+        log_xi_k = jnp.where(mask[:, None, None, :], log_xi_k, -jnp.inf)
+        m_k = lax.stop_gradient(core.masked_max(log_xi_k, mask[:, None, None, :], -1))
+    else:
+        m_k = lax.stop_gradient(jnp.max(log_xi_k, axis=-1, keepdims=True))
+    e_k = jnp.exp(log_xi_k - m_k)
+    den_k = jnp.sum(e_k, axis=-1, keepdims=True)  # [B, H, N, 1]
+    if masked:
+        den_k = jnp.where(den_k > 0, den_k, 1.0)
+    f = jnp.einsum("bhnm,bhmd->bhnd", e_k, v32) / den_k  # [B, H, N, Dv]
+    lse_k = jnp.log(den_k) + m_k  # [B, H, N, 1]
 
-    # Queries: log p~_n(omega_t).
-    log_xi_q = jnp.einsum("bnhd,bthd->bhnt", qh, omega)
-    log_xi_q = log_xi_q - jnp.transpose(_sq_half(qh), (0, 2, 1))[..., None]  # [B, H, Tq, N]
-    log_p = log_xi_q + lse_k[:, :, None, :]
-
-    # Proposals: log g_c(omega_t) for every c, and for the term's own proposal.
-    log_g = jnp.einsum("bthd,bchd->bhtc", omega, mu)
-    log_g = log_g - jnp.transpose(_sq_half(mu), (0, 2, 1))[:, :, None, :]  # [B, H, N, L]
-    mu_t = mu[:, t["term_c"]]  # [B, N, H, d]
-    log_g_own = jnp.einsum("bthd,bthd->bht", omega, mu_t) - jnp.transpose(_sq_half(mu_t), (0, 2, 1))
-    log_bh = log_g_own - _masked_logsumexp(log_g, cvalid, -1)  # [B, H, N]
-    # <= 0 for a valid term (its own proposal is in the sum); an invalid term's value is
-    # unused but could overflow exp, and exp's backward (0 * inf) would then give NaN.
-    log_bh = jnp.where(t["term_valid"][:, None, :], log_bh, 0.0)
-
-    alpha = jnp.exp(log_bh)[:, :, None, :]  # [B, H, 1, N]
+    # Proposals: log g_c(omega_t) for every c and the term's own: [B, H, N, L], [B, H, N, 1].
+    log_g = jnp.einsum("bhnd,bhcd->bhnc", omega, mu) - _sq_half(mu)[:, :, None, :]
+    mu_t = mu if t["per"] == 1 else mu[:, :, t["term_c"]]
+    log_g_own = jnp.sum(omega * mu_t, -1, keepdims=True) - _sq_half(mu_t)[..., None]
+    if masked:
+        lse_g = _masked_logsumexp(log_g, t["valid_c"][:, None, None, :], -1)[..., None]
+        # <= 0 for a valid term; an invalid term's value is unused but could overflow exp.
+        log_bh = jnp.where(tvalid, log_g_own - lse_g, 0.0)
+    else:
+        log_bh = log_g_own - jax.nn.logsumexp(log_g, axis=-1, keepdims=True)
+    alpha = jnp.exp(log_bh)  # [B, H, N, 1]
     if mis == "opt":
-        alpha = alpha + alpha_coeff * _query_correction(qh, t)
-    log_alpha = jnp.log(jnp.maximum(alpha, ALPHA_FLOOR))
+        alpha = alpha + alpha_coeff * _query_correction(qh, _heads(t["q_bar"]), t, masked)
 
-    log_w = log_alpha + log_p - log_g_own[:, :, None, :]  # [B, H, Tq, N]
-    a = _masked_softmax(log_w, tvalid, -1)
-    return jnp.einsum("bhnt,bhtd->bnhd", a, f).astype(q.dtype)
+    # Queries: log p~_n(omega_t) - log g_own, up to the per-query constant -|q^_n|^2 / 2.
+    s = jnp.einsum("bhnd,bhqd->bhnq", omega, qh) + (lse_k - log_g_own)  # [B, H, N, Tq]
+    if masked:
+        s = jnp.where(tvalid, s, -jnp.inf)
+        s_max = lax.stop_gradient(core.masked_max(s, tvalid, 2))
+    else:
+        s_max = lax.stop_gradient(jnp.max(s, axis=2, keepdims=True))
+    w = jnp.maximum(alpha, ALPHA_FLOOR) * jnp.exp(s - s_max)  # [B, H, N, Tq]
+    den = jnp.sum(w, axis=2)  # [B, H, Tq]
+    if masked:
+        den = jnp.where(den > 0, den, 1.0)
+    out = jnp.einsum("bhnq,bhnd->bqhd", w, f) / jnp.swapaxes(den, 1, 2)[..., None]
+    return out.astype(q.dtype)
 
 
-def _query_correction(qh, t):
-    """``r_{n c_t} - mean_c r_nc`` as ``[B, H, Tq, N]`` with ``r_nc = softmax_n(q^_n . q~_c)``."""
-    qv = t["q_valid"][:, None, :, None]  # [B, 1, Tq, 1]
-    cv = t["valid_c"][:, None, None, :]  # [B, 1, 1, L]
-    r = _masked_softmax(jnp.einsum("bnhd,bchd->bhnc", qh, t["q_bar"]), qv & cv, 2)  # [B,H,Tq,L]
-    n_c = jnp.maximum(jnp.sum(cv, axis=-1, keepdims=True), 1)
-    r_mean = jnp.sum(jnp.where(cv, r, 0.0), axis=-1, keepdims=True) / n_c
-    return (r - r_mean)[..., t["term_c"]]
+def _query_correction(qh, q_bar, t, masked):
+    """``r_{n c_t} - mean_c r_nc`` as ``[B, H, N, Tq]``, ``r_nc = softmax_n(q^_n . q~_c)``.
+
+    `qh` ``[B, H, Tq, d]`` and `q_bar` ``[B, H, L, d]`` heads-first.
+    """
+    logits = jnp.einsum("bhcd,bhqd->bhcq", q_bar, qh)  # [B, H, L, Tq]
+    if masked:
+        cv = t["valid_c"][:, None, :, None]  # [B, 1, L, 1]
+        r = _masked_softmax(logits, t["q_valid"][:, None, None, :] & cv, -1)
+        n_c = jnp.maximum(jnp.sum(cv, axis=2, keepdims=True), 1)
+        r_mean = jnp.sum(jnp.where(cv, r, 0.0), axis=2, keepdims=True) / n_c
+    else:
+        r = jax.nn.softmax(logits, axis=-1)
+        r_mean = jnp.mean(r, axis=2, keepdims=True)
+    corr = r - r_mean
+    return corr if t["per"] == 1 else corr[:, :, t["term_c"]]
 
 
 def lara_reference(
@@ -546,6 +658,8 @@ def lara_reference(
     antithetic=False,
     mis="opt",
     alpha_coeff=1.0,
+    noise_scale=None,
+    mixed=False,
 ):
     """Straightforward LARA with the same landmarks and draws (the oracle of `lara_attention`).
 
@@ -554,7 +668,17 @@ def lara_reference(
     |omega|^2/2`` for g_c, linear-space balance-heuristic ratios, and the estimate
     as an explicit ratio ``sum_t W_nt f_t / sum_t W_nt``.
     """
-    cfg = (num_landmarks, num_samples, proposal, grid, antithetic, mis, alpha_coeff)
+    cfg = _Cfg(
+        num_landmarks,
+        num_samples,
+        proposal,
+        grid,
+        antithetic,
+        mis,
+        alpha_coeff,
+        noise_scale,
+        mixed,
+    )
     _check_lara(q, k, v, params, mask, causal, rng, deterministic, cfg)
     t = _lara_terms(q, k, params, rng, mask, deterministic, cfg)
     qh, kh, omega, mu = t["qh"], t["kh"], t["omega"], t["mu"]

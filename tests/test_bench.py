@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import linattn_jax as la
-from train import bench
+from train import bench, bench_peers
 
 
 def _run(capsys, argv):
@@ -67,7 +67,7 @@ def test_scaling_smoke_every_mechanism(tmp_path, capsys, part):
             bench.SOFTMAX_XLA,
         ],
     )
-    names = _part(part) + [bench.SOFTMAX_XLA]
+    names = bench_peers.peer_names(_part(part) + [bench.SOFTMAX_XLA])  # lara_peer after lara
     assert result["mechanisms"] == names
     saved = json.loads(out.read_text())
     assert saved["mechanisms"] == names

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import linattn_jax as la
+from train import bench_peers
 
 #: Name under which ``jax.nn.dot_product_attention`` is benchmarked beside the registry.
 SOFTMAX_XLA = "softmax_xla"
@@ -342,7 +343,7 @@ def scaling_points(
                 points.append(point)
                 if emit is not None:
                     emit(point)
-    return points
+    return points + bench_peers.peer_points(name, cfg, emit)  # its peer, if any, beside it
 
 
 def _run_isolated(name: str, argv: Sequence[str], timeout_s: float) -> list[dict]:
@@ -454,8 +455,8 @@ def run_scaling(
         "kind": "scaling",
         "environment": environment(),
         "config": dataclasses.asdict(cfg),
-        "mechanisms": names,
-        "points": add_ratios(points),
+        "mechanisms": bench_peers.peer_names(names),
+        "points": bench_peers.add_peer_ratios(add_ratios(points)),
     }
 
 
@@ -1468,7 +1469,7 @@ def main(argv: Sequence[str] | None = None) -> dict | str:
             jsonl=args.jsonl,
             log=log,
         )
-        table = scaling_table(result)
+        table = scaling_table(result) + bench_peers.peer_table(result)
         plot = plot_scaling
     elif args.command == "fidelity":
         result = fidelity_sweep(
