@@ -548,3 +548,23 @@ def test_bad_inputs_raise():
         LARA.attention(q, k, v, {}, _key(0), mask=jnp.ones((2, 5), bool))
     with pytest.raises(ValueError, match="proposal"):
         LARA.init(_key(0), num_heads=H, head_dim=D, proposal="x")
+
+
+def test_presets_lara_proposals():
+    """ViT presets: the official image proposals (pool + mixed, 7 x 7 = 49 landmarks; mini
+    16); LRA presets: the library default."""
+    from train import configs
+
+    for preset, m in (("mini", 16), ("cifar", 49), ("deit_tiny", 49)):
+        c = configs.set_attention(configs.get_config("vit", preset), "lara")
+        assert c.attention_config.to_dict() == {
+            "proposal": "pool",
+            "mixed": True,
+            "num_landmarks": m,
+        }
+    assert (
+        configs.set_attention(
+            configs.get_config("listops", "mini"), "lara"
+        ).attention_config.to_dict()
+        == {}
+    )

@@ -48,12 +48,16 @@ MINI_ATTENTION_CONFIG = {
 
 
 def set_attention(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
-    """Set ``config.attention = name``; mini presets get ``MINI_ATTENTION_CONFIG[name]``.
+    """Set ``config.attention = name``; mini presets get ``MINI_ATTENTION_CONFIG[name]``, then a
+    task module's ``attention_defaults(preset, name)`` (if it has one) on top.
 
     Replaces ``config.attention_config`` (its keys belong to the previous mechanism).
     """
     config.attention = name
     values = dict(MINI_ATTENTION_CONFIG.get(name, {})) if config.preset == "mini" else {}
+    task_module = importlib.import_module(CONFIGS[config.task]) if config.task in CONFIGS else None
+    if hasattr(task_module, "attention_defaults"):  # a task's own settings (vit: LARA's)
+        values.update(task_module.attention_defaults(config.preset, name))
     config.attention_config = ml_collections.ConfigDict(values)
     return config
 

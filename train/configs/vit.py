@@ -24,6 +24,14 @@ Presets:
 Mechanisms with a ``grid`` config (nystromformer, soft, laplacian, lara) get the patch grid
 automatically (`train.vision.attention_config`); set ``attention_config.num_landmarks`` /
 ``num_features`` / ``num_samples`` as for any task.
+
+LARA in every ViT preset (`attention_defaults`) uses the official code's image proposals
+(Zheng et al. 2022, ``proposal_gen="pool"`` with the ``-mixed`` key landmarks):
+``proposal="pool"`` (the patch grid average-pooled, then ``LayerNorm(Linear(.))`` per
+head), ``mixed=True``, and ``num_landmarks=49`` (a 7 x 7 grid: 2 x 2 pooling of DeiT-tiny's
+14 x 14 patches; the ``mini`` preset's 8 x 8 patches get 16 = 4 x 4, the same 2 x 2
+pooling). The LRA tasks keep the library default (``proposal="mean"``, 1-D segment means,
+no params); ``"adaptive-1d"`` is the official learned 1-D form.
 """
 
 from __future__ import annotations
@@ -31,6 +39,16 @@ from __future__ import annotations
 import ml_collections
 
 from train.configs import default
+
+#: LARA's settings in the ViT presets (see the module docstring).
+LARA_VIT = {"proposal": "pool", "mixed": True, "num_landmarks": 49}
+
+
+def attention_defaults(preset: str, attention: str) -> dict:
+    """Per-mechanism config of the ViT presets (applied by `train.configs.set_attention`)."""
+    if attention != "lara":
+        return {}
+    return {**LARA_VIT, "num_landmarks": 16} if preset == "mini" else dict(LARA_VIT)
 
 
 def get_config(preset: str = "mini") -> ml_collections.ConfigDict:
