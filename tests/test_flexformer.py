@@ -536,8 +536,8 @@ def test_pair_symmetry_and_jitter():
 
 def test_training_moves_kernel_off_stationary():
     """Fitting a non-stationary target attention (train.bench_kernel_fit's exp(q^ . W k^), raw
-    inputs as in the benchmark) for 30 Adam steps grows flexformer_n's shift-invariance gap
-    from the default init by more than 5x, while the tied init stays stationary (gap at
+    inputs as in the benchmark) for 60 Adam steps grows flexformer_n's shift-invariance gap
+    from the default init by more than 3x, while the tied init stays stationary (gap at
     rounding level) and flexformer_s is stationary by construction."""
     from train.bench_kernel_fit import target_attention
 
@@ -545,7 +545,7 @@ def test_training_moves_kernel_off_stationary():
     q, k, v = _inputs(jax.random.key(30), b=4, t=t, h=1, d=d, scale=0.6)
     w = jnp.eye(d) + jax.random.normal(jax.random.key(31), (d, d)) / math.sqrt(d)
     want = target_attention(q, k, v, w)
-    x, y = _inputs(jax.random.key(32), b=2, t=6, h=1, d=d)[:2]
+    x, y = _inputs(jax.random.key(32), b=2, t=6, h=1, d=d, scale=1.0)[:2]
     shifts = 0.5 * jax.random.normal(jax.random.key(33), (6, d))
     opt = optax.adam(2e-2)
 
@@ -556,7 +556,7 @@ def test_training_moves_kernel_off_stationary():
             jax.value_and_grad(lambda p: jnp.mean((mech.attention(q, k, v, p) - want) ** 2))
         )
         state, first = opt.init(p), None
-        for _ in range(30):
+        for _ in range(60):
             val, g = loss(p)
             first = val if first is None else first
             upd, state = opt.update(g, state, p)
@@ -571,7 +571,8 @@ def test_training_moves_kernel_off_stationary():
     gap0 = float(gap(p_init, x, y, shifts))
     assert 0 < gap0 < 0.05  # the jittered init is nearly stationary
     gap1 = float(gap(fit("flexformer_n"), x, y, shifts))
-    assert gap1 > 5 * gap0, (gap0, gap1)
+    print(f"shift-invariance gap: init {gap0:.2e}, after 60 steps {gap1:.2e}")
+    assert gap1 > 3 * gap0, (gap0, gap1)
     assert float(gap(fit("flexformer_n", pair_init="tied"), x, y, shifts)) < 1e-6
     assert float(gap(fit("flexformer_s"), x, y, shifts)) < 1e-6
 
@@ -580,15 +581,15 @@ def test_training_moves_kernel_off_stationary():
 
 
 def _mesh_losses(attention, steps=8, **attention_config):
-    """Per-step train losses of a tiny LRA encoder on one device, an (8, 1) and a (2, 4) mesh
-    (tests/test_train.py's toy task and config)."""
+    """Per-step train losses of a tiny LRA encoder on one device and on a (2, 4) mesh
+    (tests/test_train.py's toy task and config; test_train pins softmax's agreement)."""
     from test_train import _run_steps, tiny_config, toy_task
 
     task = toy_task()
     config = tiny_config(attention, **attention_config)
     config.learning_rate = 1e-2
     runs = []
-    for mesh_shape, n in (((1, 1), 1), ((8, 1), 8), ((2, 4), 8)):
+    for mesh_shape, n in (((1, 1), 1), ((2, 4), 8)):
         config.mesh_shape = mesh_shape
         runs.append(_run_steps(config, task, jax.devices()[:n], n=steps)[2])
     return np.array(runs)  # [mesh, step]
@@ -596,14 +597,12 @@ def _mesh_losses(attention, steps=8, **attention_config):
 
 def test_training_is_reproducible_across_meshes():
     """Sharding only reorders float32 sums. flexformer_n with its default features keeps the
-    resulting loss differences at rounding level over 8 steps at lr 1e-2, like softmax
-    (issue 19: the raw map, qk_radius=None, amplified them to 4% of the loss in 30 steps)."""
+    resulting loss differences at rounding level over 8 steps at lr 1e-2, as softmax does
+    (issue 19: the raw map, qk_radius=None, amplified them to 4% of the ListOps loss in 30
+    steps, against 0 for softmax)."""
     assert jax.device_count() >= 8, "conftest fakes 8 CPU devices"
-    flex = _mesh_losses("flexformer_n", num_features=16)
-    soft = _mesh_losses("softmax")
-    spread = lambda runs: float(np.max(np.ptp(runs, axis=0) / runs[0]))  # noqa: E731
-    print(
-        f"loss spread over meshes: flexformer_n {spread(flex):.2e}, softmax {spread(soft):.2e}"
-    )
-    assert flex[0, -1] < flex[0, 0]  # it trains
-    assert spread(flex) < 1e-4
+    runs = _mesh_losses("flexformer_n", num_features=16)
+    spread = float(np.max(np.abs(runs[1] - runs[0]) / runs[0]))
+    print(f"relative loss difference, 1 device vs (2, 4) mesh: {spread:.2e}")
+    assert runs[0, -1] < runs[0, 0]  # it trains
+    assert spread < 1e-4
