@@ -2,7 +2,9 @@
 
 Times the naive reference, the xla path and the Pallas path (compiled on GPU, interpreted on
 CPU, where the numbers only show that it runs) of `l1_distance` / `laplace_kernel` and
-`newton_schulz_inverse`, forward and forward+backward, and prints a markdown table.
+`newton_schulz_inverse`, forward and forward+backward, and prints a markdown table; then the
+Newton-Schulz residual ``max |P V - I|`` against the iteration count on landmark matrices
+like the Nystrom mechanisms build (segment means; ``--residual-only`` prints just that).
 
 GPU defaults follow the design card: L1 with N = M = 4096, D = 64 (B*H = 1: the reference
 materialises [B*H, N, M, D]) and Newton-Schulz with m in {64, 128, 256} over B*H = 64. CPU
@@ -92,6 +94,43 @@ def _ns_rows(bh: int, m: int, iters: int, repeats: int, interpret: bool):
     return rows
 
 
+def _landmark_matrices(m: int, t: int, d: int):
+    """Landmark matrices like the Nystrom mechanisms build: segment means of T unit-Gaussian
+    tokens (m segments of T / m tokens), Laplace kernel at lambda = d / 2."""
+    kq, kk = jax.random.split(jax.random.key(2))
+    seg = lambda x: x.reshape(1, 1, m, t // m, d).mean(3)  # noqa: E731  [1, 1, m, d]
+    q_lm = seg(jax.random.normal(kq, (t, d), jnp.float32))
+    k_lm = seg(jax.random.normal(kk, (t, d), jnp.float32))
+    lam = d / 2.0
+    return {
+        f"shared K~ (T={t}, d={d})": kernels.laplace_kernel_reference(k_lm, k_lm, lam),
+        f"separate Q~, K~ (T={t}, d={d})": kernels.laplace_kernel_reference(q_lm, k_lm, lam),
+        "random tokens (d=16, lambda=4)": kernels.laplace_kernel_reference(
+            jax.random.normal(kq, (1, 1, m, 16)), jax.random.normal(kq, (1, 1, m, 16)), 4.0
+        ),
+    }
+
+
+def residual_table(m: int, iters: Sequence[int], eps: float = 0.01, t: int = 1024, d: int = 64):
+    """Markdown table of ``max |P V_k - I|`` (P = A + eps I) against the iteration count k."""
+    lines = [
+        f"| landmark matrix A (m={m}, eps={eps:g}) | sigma_min(P) | sigma_max(P) | "
+        + " | ".join(f"{k} it" for k in iters)
+        + " |",
+        "|---|---:|---:|" + "---:|" * len(iters),
+    ]
+    for name, a in _landmark_matrices(m, t, d).items():
+        p = a[0, 0] + eps * jnp.eye(m)
+        sv = jnp.linalg.svd(p, compute_uv=False)
+        res = []
+        for k in iters:
+            v = kernels.newton_schulz_inverse(a, iters=k, eps=eps, impl="xla")[0, 0]
+            res.append(float(jnp.max(jnp.abs(p @ v - jnp.eye(m)))))
+        cells = " | ".join(f"{r:.1e}" for r in res)
+        lines.append(f"| {name} | {float(sv[-1]):.1e} | {float(sv[0]):.1f} | {cells} |")
+    return "\n".join(lines)
+
+
 def format_table(rows) -> str:
     lines = [
         "| op | shape | impl | forward (ms) | forward+backward (ms) |",
@@ -120,8 +159,21 @@ def main(argv: Sequence[str] | None = None) -> str:
     )
     p.add_argument("--iters", type=int, default=20, help="Newton-Schulz iterations")
     p.add_argument("--repeats", type=int, default=10 if on_gpu else 3, help="timed calls")
+    p.add_argument(
+        "--residual-iters",
+        type=int,
+        nargs="+",
+        default=[10, 20, 30, 40, 60],
+        help="iteration counts of the Newton-Schulz residual table",
+    )
+    p.add_argument("--residual-m", type=int, default=64, help="m of the residual table")
+    p.add_argument("--residual-only", action="store_true", help="print only the residual table")
     args = p.parse_args(argv)
     interpret = not on_gpu
+    residuals = residual_table(args.residual_m, args.residual_iters)
+    if args.residual_only:
+        print(residuals)
+        return residuals
     rows = _l1_rows(
         args.l1_bh, args.n, args.m, args.d, args.repeats, interpret, args.skip_l1_reference
     )
@@ -129,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> str:
         rows += _ns_rows(args.ns_bh, m, args.iters, args.repeats, interpret)
     mode = "compiled" if on_gpu else "interpret mode (CPU: not a speed measurement)"
     table = f"backend: {jax.default_backend()}; Pallas {mode}\n\n" + format_table(rows)
+    table += "\n\nNewton-Schulz residual max|PV - I| against iterations:\n\n" + residuals
     print(table)
     return table
 

@@ -24,8 +24,10 @@ CASES = [
     ("soft", {"normalize": "row"}),
     ("laplacian", {"normalize": "injective"}),
     ("laplacian", {"normalize": "row"}),
+    ("laplacian", {"normalize": "none"}),
+    ("laplacian", {"shared_landmarks": False, "local_window": 0}),
 ]
-IDS = [f"{n}-{c.get('normalize', 'none')}" for n, c in CASES]
+IDS = [f"{n}-{c.get('normalize', 'none')}-{len(c)}" for n, c in CASES]
 WEIGHTS = {
     "nystromformer": ny.nystromformer_weights,
     "soft": ny.soft_weights,
@@ -49,7 +51,7 @@ def _inputs(seed, b=2, tq=10, tk=None, h=H, d=D, dv=4, scale=1.0, dtype=jnp.floa
 def _params(name, seed=3, h=H, d=D, **config):
     p = la.get(name).init(jax.random.key(seed), num_heads=h, head_dim=d, **config)
     if "log_lam" in p:  # move lambda off its init, and make it differ per head
-        p = {"log_lam": p["log_lam"] + jnp.linspace(-0.3, 0.3, h)}
+        p = {**p, "log_lam": p["log_lam"] + jnp.linspace(-0.3, 0.3, h)}
     return p
 
 
@@ -99,10 +101,13 @@ def _whiten_np(c):
     return (c - mu) / np.sqrt(var + ny.WHITEN_EPS)
 
 
-def _injective_np(w, v):
-    """out_i = mean_j v_j + (1/n) sum_j (w_ij - mean_j w_ij) v_j  (no mask)."""
-    n = w.shape[-1]
-    return _np(v).mean(1)[:, None] + _apply(w - w.mean(-1, keepdims=True), v) / n
+def _local_np(w, v):
+    """Depthwise convolution along the sequence, one filter w [win, H] per head (zero padded)."""
+    r = w.shape[0] // 2
+    v = _np(v)
+    vp = np.pad(v, ((0, 0), (r, r), (0, 0), (0, 0)))
+    t = v.shape[1]
+    return sum(_np(w)[o][None, None, :, None] * vp[:, o : o + t] for o in range(w.shape[0]))
 
 
 # --------------------------------------------------------------------------- fast path vs reference
@@ -142,26 +147,29 @@ def test_linear_path_matches_materialised_reference(name, cfg):
 
 
 def test_laplacian_m_equals_t_is_full_laplace_kernel():
-    """Landmarks = tokens and an exact inverse: laplacian is the quadratic computation on
-    the full Laplace kernel matrix K, in both normalisations:
-    row: K V / K 1;  injective: w_i = whiten(K)_i (since A = C_q = C_k = K)."""
+    """Landmarks = tokens, an exact inverse, eps = 0 and no local branch: laplacian is the
+    quadratic computation on the full Laplace kernel matrix K = kappa(Q, K) (with shared
+    landmarks C_q = K and A^+ C_k = kappa(K, K)^-1 kappa(K, K) = I), in every normalisation:
+    row: K V / K 1;  injective: whiten_columns(K) V;  none: K V."""
     q, k, v = _inputs(1, tq=8)
-    params = _params("laplacian")
+    params = _params("laplacian", local_window=0)
     kmat = _laplace_np(_np(q), _np(k), np.exp(_np(params["log_lam"])))
     want = {
         "row": _apply(kmat / kmat.sum(-1, keepdims=True), _np(v)),
-        "injective": _injective_np(_whiten_np(kmat), _np(v)),
+        "injective": _apply(_whiten_np(kmat), _np(v)),
+        "none": _apply(kmat, _np(v)),
     }
     errs = {}
     for norm, inverse, iters in (
         ("row", "exact", 20),
         ("injective", "exact", 20),
+        ("none", "exact", 20),
         ("row", "iterative", 60),
         ("injective", "iterative", 60),
     ):
         out = ny.laplacian_attention(
             q, k, v, params, num_landmarks=8, eps=0.0, normalize=norm, inverse=inverse,
-            ns_iters=iters,
+            ns_iters=iters, local_window=0,
         )  # fmt: skip
         errs[norm, inverse] = _close(out, want[norm], 2e-4, f"{norm} {inverse}")
     print("laplacian m=T max abs err:", errs)
@@ -219,15 +227,24 @@ def test_segment_landmarks_match_numpy_nystrom():
     avg = onehot / onehot.sum(0)
     ql, kl = np.einsum("tl,bthd->blhd", avg, _np(q)), np.einsum("tl,bthd->blhd", avg, _np(k))
     lam = np.exp(_np(params["log_lam"]))
-    cq, a, ck = _laplace_np(_np(q), kl, lam), _laplace_np(ql, kl, lam), _laplace_np(ql, _np(k), lam)
-    w = cq @ np.linalg.inv(a) @ ck
-    out = ny.laplacian_attention(
-        q, k, v, params, num_landmarks=4, eps=0.0, inverse="exact", normalize="row"
-    )
-    _close(out, _apply(w / w.sum(-1, keepdims=True), _np(v)), 2e-4, "laplacian row, m=4")
+    cq = _laplace_np(_np(q), kl, lam)
+    # Shared landmarks (default): A = kappa(K~, K~), C_k = kappa(K~, K); with the local branch.
+    a, ck = _laplace_np(kl, kl, lam), _laplace_np(kl, _np(k), lam)
+    w = cq @ np.linalg.inv(a + 0.01 * np.eye(4)) @ ck
+    out = ny.laplacian_attention(q, k, v, params, num_landmarks=4, normalize="row")
+    want = _apply(w / w.sum(-1, keepdims=True), _np(v)) + _local_np(params["local"], v)
+    _close(out, want, 2e-4, "laplacian row, m=4")
+    wi = _whiten_np(cq) @ np.linalg.inv(a + 0.01 * np.eye(4)) @ ck
+    out = ny.laplacian_attention(q, k, v, params, num_landmarks=4)
+    _close(out, _apply(wi, v) + _local_np(params["local"], v), 2e-4, "injective, m=4")
+    # Separate landmarks: A = kappa(Q~, K~), C_k = kappa(Q~, K).
+    a, ck = _laplace_np(ql, kl, lam), _laplace_np(ql, _np(k), lam)
     wi = _whiten_np(cq) @ np.linalg.inv(a) @ ck
-    out = ny.laplacian_attention(q, k, v, params, num_landmarks=4, eps=0.0, inverse="exact")
-    _close(out, _injective_np(wi, v), 2e-4, "laplacian injective, m=4")
+    out = ny.laplacian_attention(
+        q, k, v, params, num_landmarks=4, eps=0.0, inverse="exact", shared_landmarks=False,
+        local_window=0,
+    )  # fmt: skip
+    _close(out, _apply(wi, v), 2e-4, "injective separate landmarks, m=4")
     # nystromformer: softmax kernels, output C_q A^+ C_k V.
     s = lambda x, y: _softmax_np(x, y)  # noqa: E731
     w = s(_np(q), kl) @ np.linalg.pinv(s(ql, kl)) @ s(ql, _np(k))
@@ -247,7 +264,7 @@ def test_injective_separates_queries_that_row_normalisation_merges():
     k = k.at[..., 0].set(jnp.tanh(k[..., 0]))  # keys in (-1, 1) along coordinate 0
     q = q.at[0, 4].set(q[0, 3]).at[0, 3, :, 0].set(2.0).at[0, 4, :, 0].set(3.0)
     params = _params("laplacian")
-    cfg = dict(num_landmarks=4)
+    cfg = dict(num_landmarks=4, local_window=0)
     row = ny.laplacian_attention(q, k, v, params, normalize="row", **cfg)
     inj = ny.laplacian_attention(q, k, v, params, normalize="injective", **cfg)
     same = float(jnp.max(jnp.abs(row[0, 3] - row[0, 4])))
@@ -262,16 +279,57 @@ def test_injective_separates_queries_that_row_normalisation_merges():
     assert float(jnp.min(jnp.max(jnp.abs(wi[0, :, 3] - wi[0, :, 4]), axis=-1))) > 1e-3
 
 
-def test_injective_weights_rows_sum_to_one():
+def test_weights_are_the_weights_of_the_output():
     q, k, v = _inputs(6, tq=11, scale=0.8)
     mask = jnp.arange(11)[None, :] < jnp.array([11, 6])[:, None]
     params = _params("laplacian")
     w = ny.laplacian_weights(q, k, params, mask=mask, num_landmarks=4)
-    _close(jnp.sum(w, -1), jnp.ones(w.shape[:-1]), 1e-5, "row sums")
     assert float(jnp.max(jnp.abs(jnp.where(mask[:, None, None, :], 0.0, w)))) == 0.0
-    # and they are the weights of the output
     out = ny.laplacian_attention(q, k, v, params, mask=mask, num_landmarks=4)
     _close(out, jnp.einsum("bhij,bjhd->bihd", w, v), 1e-5, "weights @ v")
+
+
+def test_query_dependent_part_does_not_vanish():
+    """At the defaults (lambda = d / 2, injective map) on unit-variance q, k, v (T = 256,
+    d = 64, m = 16, no local branch), the part of the output that depends on the query,
+    out_i - mean_i out_i, has std >= 0.1 std(v) (measured 2.5; the earlier 1/T form gave
+    0.00024 at T = 1024). Distinct queries give distinct outputs."""
+    q, k, v = _inputs(16, b=1, tq=256, h=1, d=64, dv=8)
+    params = la.get("laplacian").init(jax.random.key(0), num_heads=1, head_dim=64)
+    out = ny.laplacian_attention(q, k, v, params, num_landmarks=16, local_window=0)
+    dep = float(jnp.std(out - jnp.mean(out, axis=1, keepdims=True)))
+    print(f"query-dependent std / std(v): {dep / float(jnp.std(v)):.3g}")
+    assert dep > 0.1 * float(jnp.std(v))
+    flat = np.asarray(out[0, :, 0], np.float64)  # [T, Dv]
+    dist = np.abs(flat[:, None] - flat[None]).max(-1) + np.eye(len(flat))
+    assert dist.min() > 1e-4
+
+
+def test_local_branch_is_a_depthwise_convolution():
+    """The local branch adds sum_o w[o, h] v[i + o] (zero padded; masked keys are zero) along
+    the sequence, and sum_{a,b} w[a, b, h] v[(r + a, c + b)] over the grid (CLS excluded)."""
+    q, k, v = _inputs(17, b=1, tq=9)
+    params = _params("laplacian", local_window=5)
+    cfg = dict(num_landmarks=4)
+    on = ny.laplacian_attention(q, k, v, params, local_window=5, **cfg)
+    off = ny.laplacian_attention(q, k, v, {"log_lam": params["log_lam"]}, local_window=0, **cfg)
+    _close(on - off, _local_np(params["local"], v), 1e-5, "1-D local branch")
+    # grid (2, 4) after one CLS token: a 3 x 3 filter over the 2 x 4 image
+    pg = _params("laplacian", grid=(2, 4))
+    assert pg["local"].shape == (3, 3, H)
+    on = ny.laplacian_attention(q, k, v, pg, grid=(2, 4), **cfg)
+    off = ny.laplacian_attention(
+        q, k, v, {"log_lam": pg["log_lam"]}, grid=(2, 4), local_window=0, **cfg
+    )
+    img = np.pad(_np(v)[:, 1:].reshape(1, 2, 4, H, 4), ((0, 0), (1, 1), (1, 1), (0, 0), (0, 0)))
+    w = _np(pg["local"])
+    want = sum(
+        w[a, b][None, None, None, :, None] * img[:, a : a + 2, b : b + 4]
+        for a in range(3)
+        for b in range(3)
+    ).reshape(1, 8, H, 4)
+    _close(on[:, 1:] - off[:, 1:], want, 1e-5, "2-D local branch")
+    _close(on[:, :1], off[:, :1], 1e-6, "CLS has no local term")
 
 
 # --------------------------------------------------------------------------- masks
@@ -330,7 +388,7 @@ def test_grid_landmarks_on_image_with_cls_token():
     # The grid runs through the shared core: linear path == reference (two kernels).
     for name, c in (CASES[0], CASES[3]):
         mech = la.get(name).bind(num_landmarks=16, grid=(8, 8), **c)
-        p = _params(name)
+        p = _params(name, grid=(8, 8)) if name == "laplacian" else {}
         a, r = jax.jit(mech.attention)(q, k, v, p), jax.jit(mech.reference)(q, k, v, p)
         assert a.shape == (1, 65, H, 4)
         _close(a, r, _TOL_LINEAR[c.get("normalize")], f"{name} grid")
@@ -354,6 +412,11 @@ def test_jit_vmap_grad_checkpoint(name):
     batched = jax.vmap(lambda a, b, c: mech.attention(a, b, c, params, mask=mask))(qs, ks, vs)
     _close(batched[1], mech.attention(qs[1], ks[1], vs[1], params, mask=mask), 1e-5, "vmap")
     _close(batched[0], eager, 1e-5, "vmap")
+    # vmap over the batch (one example at a time) == the batched call: per-sequence statistics
+    per_example = jax.vmap(
+        lambda a, b, c, m: mech.attention(a[None], b[None], c[None], params, mask=m[None])[0]
+    )(q, k, v, mask)
+    _close(per_example, eager, 1e-5, "vmap over the batch")
 
     def loss(q, k, v, params):
         f = jax.checkpoint(lambda *a: mech.attention(*a, mask=mask))
@@ -366,6 +429,7 @@ def test_jit_vmap_grad_checkpoint(name):
     assert float(jnp.max(jnp.abs(grads[2][2]))) == 0.0  # an all-masked row reads no value
     if name == "laplacian":
         assert float(jnp.max(jnp.abs(grads[3]["log_lam"]))) > 0
+        assert float(jnp.max(jnp.abs(grads[3]["local"]))) > 0
 
 
 @pytest.mark.parametrize("name,cfg", CASES, ids=IDS)
@@ -421,13 +485,19 @@ def test_registry_params_and_fixed_lambda():
         assert not mech.supports_causal and not mech.stochastic
         assert mech.fixed_params() == frozenset()
     p = la.get("laplacian").init(jax.random.key(0), num_heads=3, head_dim=16)
-    np.testing.assert_allclose(p["log_lam"], np.full(3, math.log(4.0)), rtol=1e-6)
-    assert la.get("laplacian").init(jax.random.key(0), num_heads=3, head_dim=16, lam=2.0) == {}
+    np.testing.assert_allclose(p["log_lam"], np.full(3, math.log(8.0)), rtol=1e-6)  # d / 2
+    assert p["local"].shape == (3, 3)
+    assert (
+        la.get("laplacian").init(
+            jax.random.key(0), num_heads=3, head_dim=16, lam=2.0, local_window=0
+        )
+        == {}
+    )
     # A fixed lam equals the learnable one set to the same value.
     q, k, v = _inputs(13, tq=8)
-    fixed = ny.laplacian_attention(q, k, v, {}, lam=1.5, num_landmarks=4)
+    fixed = ny.laplacian_attention(q, k, v, {}, lam=1.5, num_landmarks=4, local_window=0)
     learn = ny.laplacian_attention(
-        q, k, v, {"log_lam": jnp.full((H,), math.log(1.5))}, num_landmarks=4
+        q, k, v, {"log_lam": jnp.full((H,), math.log(1.5))}, num_landmarks=4, local_window=0
     )
     _close(fixed, learn, 1e-5, "fixed lam")
 
@@ -464,7 +534,23 @@ def test_errors():
     with pytest.raises(ValueError, match="lam"):
         ny.laplacian_attention(q, k, v, {}, lam=-1.0)
     with pytest.raises(ValueError, match="log_lam"):
-        ny.laplacian_attention(q, k, v, {})
+        ny.laplacian_attention(q, k, v, {"local": p["local"]})
+    for bad in (2, -1, 3.0, True, None):
+        with pytest.raises(ValueError, match="local_window"):
+            ny.laplacian_attention(q, k, v, p, local_window=bad)
+        with pytest.raises(ValueError, match="local_window"):
+            ny.laplacian_init(jax.random.key(0), num_heads=H, head_dim=D, local_window=bad)
+    with pytest.raises(
+        ValueError, match=r"params\['local'\] has shape \(3, 2\), expected \(5, 2\)"
+    ):
+        ny.laplacian_attention(q, k, v, p, local_window=5)
+    with pytest.raises(ValueError, match="'local'"):  # init without grid, called with one
+        ny.laplacian_attention(q, k, v, p, grid=(2, 2))
+    for bad in ("x", "Injective", None):
+        with pytest.raises(ValueError, match="normalize"):
+            ny.laplacian_attention(q, k, v, p, normalize=bad)
+    with pytest.raises(ValueError, match="shared_landmarks"):
+        ny.laplacian_attention(q, k, v, p, shared_landmarks=1)
     with pytest.raises(ValueError, match="log_lam"):  # lam fixed but params carry log_lam
         ny.laplacian_attention(q, k, v, p, lam=1.0)
     with pytest.raises(ValueError, match=r"k \(2, 8, 1, 8\)"):
