@@ -264,6 +264,29 @@ class TestNewtonSchulz:
             if pred < 1e-6:  # converged in exact arithmetic: only rounding is left
                 assert spec <= 2e-5 * cond
 
+    def test_segment_mean_landmarks(self):
+        """Landmark matrices as laplacian builds them: segment means (m = 16 segments of 16
+        unit-Gaussian tokens, d = 16), Laplace kernel at lambda = d / 2. The symmetric
+        A = kappa(K~, K~) converges in 20 steps on both paths (kernel entries ~0.5, so the
+        max row sum is ~m / 2 yet sigma_min(P) stays well above eps); the non-symmetric
+        A = kappa(Q~, K~) has a far smaller sigma_min(P) and has not converged at 20 steps."""
+        kq, kk = jax.random.split(jax.random.key(3))
+        seg = lambda x: x.reshape(1, 2, 16, 16, D_TOKENS).mean(3)  # noqa: E731
+        q_lm = seg(jax.random.normal(kq, (1, 2, 256, D_TOKENS)))
+        k_lm = seg(jax.random.normal(kk, (1, 2, 256, D_TOKENS)))
+        shared = kernels.laplace_kernel_reference(k_lm, k_lm, D_TOKENS / 2)
+        for impl, interpret in NS_IMPLS:
+            v = kernels.newton_schulz_inverse(shared, impl=impl, interpret=interpret)
+            for max_abs, _, _, _ in _residual_stats(shared, v):
+                assert max_abs < 1e-4, (impl, max_abs)
+        separate = kernels.laplace_kernel_reference(q_lm, k_lm, D_TOKENS / 2)
+        p = np.asarray(separate, np.float64) + 0.01 * np.eye(16)
+        v = np.asarray(kernels.newton_schulz_inverse(separate, impl="xla"), np.float64)
+        sig_sep = np.linalg.svd(p, compute_uv=False)[..., -1]
+        sig_shared = np.linalg.svd(np.asarray(shared) + 0.01 * np.eye(16), compute_uv=False)
+        assert sig_sep.max() < 0.1 * sig_shared[..., -1].min()
+        assert np.abs(p @ v - np.eye(16)).max() > 1e-2
+
     def test_more_iterations_converge_ill_conditioned(self):
         """The worst case above (Gaussian, collapsed, m = 64) converges with 32 steps."""
         a = _kernel_matrix("gauss", _tokens("collapsed", 1, 1, 64, seed=5))
@@ -442,9 +465,11 @@ def test_bench_smoke():
 
     table = bench.main(
         ["--n", "20", "--m", "12", "--d", "16", "--ns-bh", "2", "--ns-sizes", "16",
-         "--repeats", "1"]
+         "--repeats", "1", "--residual-m", "16", "--residual-iters", "10", "20"]
     )  # fmt: skip
     lines = table.splitlines()
+    residual_rows = [line for line in lines if line.startswith(("| shared", "| separate"))]
+    assert len(residual_rows) == 2
     rows = [line for line in lines if line.startswith("| laplace") or line.startswith("| newton")]
     assert len(rows) == 6
     for row in rows:
