@@ -333,6 +333,24 @@ def _check_freqs(name, params, keys, h, d, extra=None):
     _checks.check_params(name, params, expected)
 
 
+def _feature_map(variant):
+    """The `core.FeatureMap` of one variant: queries get the trigonometric features (their
+    norm factor cancels in the ratio), keys the same with the log norm factor as their
+    log scale (stabilised by the core)."""
+
+    def query(q, params, *, qk_radius=QK_RADIUS):
+        return _parts(variant, q, params, qk_radius)[1]
+
+    def key(k, params, *, qk_radius=QK_RADIUS):
+        s, phi = _parts(variant, k, params, qk_radius)
+        return core.KeyFeatures(phi, s[..., 0])
+
+    return core.FeatureMap(query_fn=query, key_fn=key)
+
+
+FEATURE_MAPS = {"flexformer_s": _feature_map("s"), "flexformer_n": _feature_map("n")}
+
+
 def _check_radius(name, radius):
     if radius is None:
         return
@@ -354,19 +372,17 @@ def _attend(
     if not learn_frequencies:
         for key in freq_keys:
             params[key] = lax.stop_gradient(params[key])
-    variant = name[-1]
-    _, phi_q = _parts(variant, q, params, radius)  # the query norm factor cancels
-    s_k, phi_k = _parts(variant, k, params, radius)
-    return core.attend(
-        phi_q,
-        phi_k,
+    return core.attend_features(
+        FEATURE_MAPS[name],
+        q,
+        k,
         v,
-        q.dtype,
+        params,
         mask=mask,
         causal=causal,
         chunk_size=chunk_size,
-        key_log_scale=s_k[..., 0],
         quadratic=quadratic,
+        qk_radius=radius,
     )
 
 
@@ -518,6 +534,7 @@ MECHANISM_S = register(
         supports_causal=True,
         stochastic=False,
         fixed_fn=_fixed_s,
+        feature_map_spec=FEATURE_MAPS["flexformer_s"],
         description="learnable spectral RFF, stationary (Bochner); Flexformer_s, O(T)",
     )
 )
@@ -531,6 +548,7 @@ MECHANISM_N = register(
         supports_causal=True,
         stochastic=False,
         fixed_fn=_fixed_n,
+        feature_map_spec=FEATURE_MAPS["flexformer_n"],
         description="learnable spectral RFF pairs + scale, non-stationary (Yaglom); "
         "Flexformer_n, O(T)",
     )

@@ -10,6 +10,16 @@ Learnable mechanism params live in the ``params`` collection under
 collection (not trained; replace them to redraw). Sampling mechanisms draw
 from the ``"attention"`` rng stream. Projection kernels carry the logical axis
 names ``("embed", "heads", "kv")`` / ``("heads", "kv", "embed")``.
+
+Decoding (``decode=True``): the layer takes one token ``[B, 1, F]`` per call and keeps its
+state in the ``cache`` collection (pass ``mutable=["cache"]``; the first call, under
+``init``, creates the empty state). A feature-map mechanism (``la.get(name).feature_map``)
+keeps the constant-size recurrent state of causal linear attention
+(`linattn_jax.core.recurrent_step`): the same features as its parallel causal form, so
+the two agree to float rounding, rfa's gate and the key log-scales of performer and
+flexformer included; the random features of performer and rfa are the fixed ones. Any
+other mechanism keeps a cache of ``max_len`` keys and values and runs itself
+(deterministic) for the new query over the cached prefix.
 """
 
 from __future__ import annotations
@@ -17,9 +27,11 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from linattn_jax import _module_utils as mu
+from linattn_jax import core
 
 attention_fn = mu.attention_fn
 
@@ -40,6 +52,9 @@ class MultiHeadAttention(nn.Module):
         precision; default: inferred from inputs and params). The mechanism keeps its
         float32 internals and returns q's dtype.
       param_dtype: dtype of the parameters.
+      decode: one-token decoding with a ``cache`` collection (see the module docstring);
+        the parameters are the same as in parallel mode.
+      max_len: cached positions for decoding a mechanism that is not a feature map.
     """
 
     num_heads: int
@@ -51,6 +66,8 @@ class MultiHeadAttention(nn.Module):
     deterministic: bool = False
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    decode: bool = False
+    max_len: int = 0
 
     @nn.compact
     def __call__(self, inputs_q, inputs_kv=None, *, mask=None, causal=False, deterministic=None):
@@ -84,20 +101,22 @@ class MultiHeadAttention(nn.Module):
             fixed = self.variable(
                 "fixed", "mechanism", lambda: init_split(self.make_rng("params"), 1)
             ).value
-        deterministic = self.deterministic if deterministic is None else deterministic
-        rng = None
-        if mech.stochastic and not deterministic:
-            rng = self.make_rng("attention")
-        out = mech.attention(
-            q,
-            k,
-            v,
-            {**trainable, **fixed},
-            rng,
-            mask=mask,
-            causal=causal,
-            deterministic=deterministic,
-        )
+        params = {**trainable, **fixed}
+        if self.decode:
+            if inputs_q.ndim != 3 or inputs_q.shape[1] != 1 or inputs_kv is not inputs_q:
+                raise ValueError(
+                    "MultiHeadAttention(decode=True) takes one token of self-attention "
+                    f"[B, 1, F]; got inputs_q {inputs_q.shape}"
+                )
+            out = self._decode_step(mech, q, k, v, params)
+        else:
+            deterministic = self.deterministic if deterministic is None else deterministic
+            rng = None
+            if mech.stochastic and not deterministic:
+                rng = self.make_rng("attention")
+            out = mech.attention(
+                q, k, v, params, rng, mask=mask, causal=causal, deterministic=deterministic
+            )
         return nn.DenseGeneral(
             self.out_features or features,
             axis=(-2, -1),
@@ -107,6 +126,42 @@ class MultiHeadAttention(nn.Module):
             param_dtype=self.param_dtype,
             kernel_init=nn.with_logical_partitioning(init, mu.OUT_AXES),
         )(out)
+
+    def _decode_step(self, mech, q, k, v, params):
+        """One token of causal attention with the ``cache`` state; ``[B, 1, H, Dv]``."""
+        b, _, h, dv = v.shape
+        initialized = self.has_variable("cache", "state")
+        fmap = mech.feature_map
+        if fmap is not None:
+            phi_q, keys = fmap.query(q, params), fmap.key(k, params)
+            state = self.variable("cache", "state", core.recurrent_init, b, h, phi_q.shape[-1], dv)
+            out, new = core.recurrent_step(state.value, phi_q, keys, v)
+            if initialized:
+                state.value = new
+            return out.astype(q.dtype)
+        if self.max_len < 1:
+            raise ValueError(
+                f"{mech.name!r} is not a feature map and decodes with a KV cache: "
+                "MultiHeadAttention(decode=True) needs max_len >= 1"
+            )
+
+        def zeros():
+            shape = (b, self.max_len, h)
+            return (
+                jnp.zeros((*shape, k.shape[-1]), k.dtype),
+                jnp.zeros((*shape, dv), v.dtype),
+                jnp.int32(0),
+            )
+
+        state = self.variable("cache", "state", zeros)
+        kc, vc, idx = state.value
+        kc = jax.lax.dynamic_update_slice_in_dim(kc, k, idx, axis=1)
+        vc = jax.lax.dynamic_update_slice_in_dim(vc, v, idx, axis=1)
+        mask = jnp.broadcast_to(jnp.arange(self.max_len)[None, :] <= idx, (b, self.max_len))
+        out = mech.attention(q, kc, vc, params, None, mask=mask, deterministic=True)
+        if initialized:
+            state.value = (kc, vc, idx + 1)
+        return out
 
 
 __all__ = ["MultiHeadAttention", "attention_fn"]

@@ -20,6 +20,19 @@ SMALL_CONFIG = {
     "ra": {"num_samples": 2},
 }
 
+#: ``--set`` flags of a tiny model and batch for CLI tests (any task's config has these keys).
+TINY_CLI = [
+    "--no_progress",
+    "--set=model.num_layers=1",
+    "--set=model.emb_dim=16",
+    "--set=model.qkv_dim=16",
+    "--set=model.num_heads=2",
+    "--set=model.mlp_dim=32",
+    "--set=batch_size=8",
+    "--set=eval_batch_size=8",
+    "--set=compile_memory_analysis=False",
+]
+
 #: Tolerances keyed by dtype, for comparisons of the same computation.
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 

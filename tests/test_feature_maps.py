@@ -10,7 +10,7 @@ import linattn_jax as la
 from linattn_jax import core
 
 #: The feature-map mechanisms; every other mechanism has ``feature_map is None``.
-FEATURE_MAP_NAMES = ["linear_elu", "performer", "rfa", "hedgehog"]
+FEATURE_MAP_NAMES = ["linear_elu", "performer", "rfa", "hedgehog", "flexformer_s", "flexformer_n"]
 _CASES = [(n, {}) for n in FEATURE_MAP_NAMES] + [("rfa", {"gate": True})]
 
 

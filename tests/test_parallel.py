@@ -71,3 +71,14 @@ def test_bad_meshes_and_mechanisms_raise():
         parallel.sequence_parallel(la.get("softmax"), _mesh())
     with pytest.raises(ValueError, match="causal"):  # the mechanism's own checks still apply
         attend(q[:, :8], k, v, {}, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_per_device_memory_falls_with_the_shards(causal):
+    """XLA's compiled per-device memory (forward+backward) over 4 sequence shards is close
+    to a quarter of one device's (`python -m train.bench_parallel` reports it at 64k)."""
+    from train.bench_parallel import per_device_memory
+
+    one = per_device_memory("performer", 4096, 1, causal=causal, h=2, d=16)
+    four = per_device_memory("performer", 4096, 4, causal=causal, h=2, d=16)
+    assert four < 0.4 * one, (one, four)

@@ -13,25 +13,18 @@ from pathlib import Path
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from _helpers import TINY_CLI
 
 from train.__main__ import main
 from train.metrics import read_jsonl
 
 TINY = [
-    "--no_progress",
-    "--set=model.num_layers=1",
-    "--set=model.emb_dim=16",
-    "--set=model.qkv_dim=16",
-    "--set=model.num_heads=2",
-    "--set=model.mlp_dim=32",
-    "--set=batch_size=8",
-    "--set=eval_batch_size=8",
+    *TINY_CLI,
     "--set=log_every=1",
     "--set=num_eval_batches=2",
     "--set=data.num_train=48",
     "--set=data.num_val=16",
     "--set=data.num_test=16",
-    "--set=compile_memory_analysis=False",
 ]
 
 

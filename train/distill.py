@@ -55,7 +55,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from linattn_jax import core, flexformer, hedgehog, linear_elu, performer, rfa
+import linattn_jax as la
+from linattn_jax import core
 from linattn_jax.linen import MultiHeadAttention
 
 _f32 = jnp.float32
@@ -66,13 +67,6 @@ WEIGHT_FLOOR = 1e-6
 FeatureMap = Callable[..., Any]  # (x [B, T, H, d], params, *, is_query, mask) -> [B, T, H, M]
 
 
-def _performer_map(x, p, *, is_query, mask):
-    phi, n = performer.feature_map(x, p["features"])  # per-token stabilised + log-scale
-    if is_query:
-        return phi
-    return phi * _key_scale(n, mask)[..., None]
-
-
 def _key_scale(n, mask):
     """``exp(n - max_valid n)`` for per-key log-scales ``n [B, T, H]`` (detached max)."""
     valid = core.key_mask(mask, n.shape[1], n.shape[0])[:, :, None]
@@ -80,34 +74,47 @@ def _key_scale(n, mask):
     return jnp.exp(jnp.where(valid, n - c, -jnp.inf))
 
 
-FEATURE_MAPS: dict[str, FeatureMap] = {
-    "flexformer_n": lambda x, p, *, is_query, mask: flexformer.feature_map_n(
-        x, p, is_query=is_query, mask=mask
-    ),
-    "flexformer_s": lambda x, p, *, is_query, mask: flexformer.feature_map_s(
-        x, p, is_query=is_query, mask=mask
-    ),
-    "hedgehog": lambda x, p, *, is_query, mask: hedgehog.feature_map(x, p),
-    "performer": _performer_map,
-    "rfa": lambda x, p, *, is_query, mask: rfa.feature_map(x, p),
-    "linear_elu": lambda x, p, *, is_query, mask: linear_elu.feature_map(x),
-}
-"""The student feature maps (each mechanism's own, with its deterministic features)."""
-
-
 def distillable_names() -> list[str]:
-    return list(FEATURE_MAPS)
+    """The mechanisms with a feature map (``la.get(name).feature_map``)."""
+    return [n for n in la.names() if la.get(n).feature_map is not None]
 
 
-def _check_student(name: str, config: Mapping[str, Any] | None = None) -> FeatureMap:
-    if name not in FEATURE_MAPS:
+def student_feature_map(name: str, config: Mapping[str, Any] | None = None) -> FeatureMap:
+    """The student's feature map as attention matching uses it, from the library's protocol
+    (``la.get(name).feature_map``, its deterministic features): ``(x, params, *, is_query,
+    mask) -> [B, T, H, M]``, the key features times ``exp(log scale)`` relative to its max
+    over the valid keys (a constant per row, so the normalised weights are unchanged).
+
+    Raises:
+      ValueError: `name` is not a feature-map mechanism, or its keys carry a decay (a gated
+        recurrence such as rfa with ``gate=True``: not a kernel to match).
+    """
+    mech = la.get(name).bind(**dict(config or {}))
+    fm = mech.feature_map
+    if fm is None:
         raise ValueError(
             f"cannot distill into {name!r}: attention matching needs a feature-map mechanism, "
             f"one of {distillable_names()}"
         )
-    if name == "rfa" and dict(config or {}).get("gate"):
-        raise ValueError("rfa with gate=True is a decayed recurrence; distill rfa without gate")
-    return FEATURE_MAPS[name]
+    shapes = jax.eval_shape(
+        lambda r: fm.key(jnp.zeros((1, 1, 1, 4)), mech.init(r, num_heads=1, head_dim=4)),
+        jax.random.key(0),
+    )
+    if shapes.log_decay is not None:
+        raise ValueError(
+            f"{name!r} with config {dict(mech.config)} is a decayed recurrence (its keys carry "
+            "a log decay, e.g. rfa's gate); distill it without the decay"
+        )
+
+    def fmap(x, params, *, is_query, mask):
+        if is_query:
+            return fm.query(x, params)
+        keys = fm.key(x, params)
+        if keys.log_scale is None:
+            return keys.phi
+        return keys.phi * _key_scale(keys.log_scale, mask)[..., None]
+
+    return fmap
 
 
 # ---------------------------------------------------------------------------- capture
@@ -178,7 +185,7 @@ def attention_kl(
     Args:
       q, k: ``[B, T, H, d]`` teacher queries and keys (gradients are not taken through them).
       params: the student mechanism's params for this layer.
-      feature_map: ``FEATURE_MAPS[name]``.
+      feature_map: `student_feature_map` of the student.
       mask: ``[B, T]`` key-padding mask (also drops padded query rows), or None.
       causal: causal weights (``j <= i``) for both teacher and student.
       block_size: query rows per block (memory ``O(B H block_size T)``).
@@ -242,7 +249,7 @@ def matching_loss(calls, mech_params: Mapping[tuple, Any], name: str, *, block_s
 
     ``mech_params[path]`` holds the student's mechanism params of the layer at ``path``.
     """
-    fmap = _check_student(name)
+    fmap = student_feature_map(name)
     per_call, total, count = [], 0.0, 0.0
     for call in calls:
         s, c = attention_kl(
@@ -397,7 +404,7 @@ def distill_attention(
 
     Args:
       teacher, teacher_variables: the trained softmax model.
-      student_name: the student's mechanism (``FEATURE_MAPS``); its config is bound in
+      student_name: the student's mechanism (one of `distillable_names`); its config is bound in
         the student model, the params come from `student_variables`.
       student_variables: the student's variables (for the fixed features and the initial
         feature-map params; its other weights are irrelevant here).
@@ -408,7 +415,7 @@ def distill_attention(
         (default: the first training batch).
       progress: called as ``progress(step, loss)`` every `log_every` steps.
     """
-    _check_student(student_name)
+    student_feature_map(student_name)
     all_params = mechanism_params(student_variables)
     trainable = trainable_mechanism_params(student_variables)
     fixed = {
@@ -479,7 +486,7 @@ def student_config(config, student: str, attention_config: Mapping[str, Any] | N
     c = configs.set_attention(config.copy_and_resolve_references(), student)
     if attention_config is not None:
         c.attention_config = ml_collections.ConfigDict(dict(attention_config))
-    _check_student(student, c.attention_config)
+    student_feature_map(student, c.attention_config)
     return c
 
 
@@ -669,7 +676,7 @@ def distill(
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     student = config.attention
-    _check_student(student, config.attention_config)
+    student_feature_map(student, config.attention_config)
     t_trainer, t_state = _teacher(config, teacher_workdir, train_teacher, data, log)
     data = t_trainer.data
     teacher_val = t_trainer.evaluate(t_state, "val")
@@ -799,7 +806,7 @@ def kernel_transfer(
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     student = config.attention
-    _check_student(student, config.attention_config)
+    student_feature_map(student, config.attention_config)
     src_maps, src_info = load_feature_maps(source)  # before any training: fail fast
     if src_info.get("student") not in (None, student):
         raise ValueError(f"{source} holds {src_info['student']!r} maps, not {student!r}")
@@ -912,7 +919,6 @@ def _progress(total, desc, config):
 
 
 __all__ = [
-    "FEATURE_MAPS",
     "distill",
     "eval_inputs",
     "init_student",
@@ -934,6 +940,7 @@ __all__ = [
     "capture_attention",
     "distill_attention",
     "distillable_names",
+    "student_feature_map",
     "matching_loss",
     "mechanism_params",
     "trainable_mechanism_params",
@@ -1002,7 +1009,7 @@ def main(argv=None) -> dict:
     configs.apply_overrides(config, args.set)
     if args.no_progress:
         config.progress_bar = False
-    _check_student(args.student, config.attention_config)
+    student_feature_map(args.student, config.attention_config)
     teacher_dir = args.teacher_workdir or f"workdir/{args.task}_{args.preset}_softmax"
     name = f"{args.task}_{args.preset}_{args.student}"
     if args.command == "run":

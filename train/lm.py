@@ -25,17 +25,18 @@ mechanism, layer by layer and head by head the state after t tokens is::
     S_t = sum_{j<=t} phi(k_j) v_j^T   [M, Dv],    z_t = sum_{j<=t} phi(k_j)   [M]
     out_t = phi(q_t)^T S_t / phi(q_t)^T z_t
 
-updated one token at a time (`RecurrentAttention`, `decode_step`, `generate`). Key features
-are written ``phi(k_j) = exp(a_j - c) b_j`` (`KeyTerms`): ``a_j`` the part a stabiliser
-must absorb (performer's per-key log-scale, flexformer's ``s(k) = |k^|^2 / 2`` or
-``|k|^2 / exp(tau)``; 0 for hedgehog, linear_elu, rfa). A recurrence cannot see future
-keys, so the state keeps a *running* maximum ``c_t = max_{j<=t} a_j`` and rescales ``S, z``
-by ``exp(c_{t-1} - c_t)`` when it grows; the common factor cancels in the ratio, so the
-recurrent output equals the parallel causal one (which stabilises the key scales by the
-same running max in `linattn_jax.core`) to float rounding, for every feature-map mechanism,
-rfa's gate included (a decay of the state). Generation uses the deterministic (fixed)
-features of performer and rfa. Mechanisms without a feature map (softmax, ra) decode with a
-KV cache of ``max_len`` positions: the mechanism itself runs for the one new query over the
+updated one token at a time (`decode_step`, `generate`) by the decode mode of
+`linattn_jax.linen.MultiHeadAttention`, which reads each mechanism's feature map through
+the library's protocol (``la.get(name).feature_map``; `linattn_jax.core.recurrent_step`).
+Key features may carry a log-scale n_j (performer's per-key stabiliser, flexformer's norm
+term). A recurrence cannot see future keys, so the state keeps a *running* maximum
+``c_t = max_{j<=t} n_j`` and rescales ``S, z`` by ``exp(c_{t-1} - c_t)`` when it grows; the
+common factor cancels in the ratio, so the recurrent output equals the parallel causal one
+(which stabilises the key scales by the same running max in `linattn_jax.core`) to float
+rounding, for every feature-map mechanism, rfa's gate included (a decay of the state).
+Generation uses the deterministic (fixed) features of performer and rfa. Mechanisms without
+a feature map (softmax, ra) decode with a KV cache of ``max_len`` positions: the mechanism
+itself runs for the one new query over the
 cached keys with a key mask ``j <= t`` (for ra in its deterministic mode).
 """
 
@@ -45,9 +46,9 @@ import dataclasses
 import math
 import os
 import sysconfig
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -55,8 +56,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import linattn_jax as la
-from linattn_jax import _module_utils as mu
-from linattn_jax import core, flexformer, hedgehog, linear_elu, performer, rfa
 from linattn_jax.linen import MultiHeadAttention
 
 from .data.errors import DatasetNotFoundError
@@ -65,8 +64,6 @@ from .models import MlpBlock, _dense, _layer_norm, attention_config_pairs, compu
 
 VOCAB_SIZE = BYTE_VOCAB_SIZE
 WIKITEXT_FILES = {"train": "wiki.train.raw", "val": "wiki.valid.raw", "test": "wiki.test.raw"}
-#: Running-max initial value of the recurrent stabiliser (exp(init - c) underflows to 0).
-_NEG = -1e30
 _f32 = jnp.float32
 
 
@@ -265,8 +262,8 @@ class Block(nn.Module):
     """Pre-LN transformer block with any mechanism (shared by `CausalLM` and the ViT).
 
     ``x + DropPath(Drop(MHA(LN(x))))`` then ``x + DropPath(MLP(LN(x)))``; ``[B, T, E]``.
-    With ``decode=True`` the attention is `RecurrentAttention` (same parameters), which
-    consumes one token per call and keeps its state in the ``cache`` collection.
+    With ``decode=True`` the attention decodes (`linattn_jax.linen.MultiHeadAttention`'s
+    decode mode, same parameters): one token per call, its state in the ``cache`` collection.
     """
 
     num_heads: int
@@ -284,25 +281,16 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, mask=None, *, deterministic: bool = True):
         y = _layer_norm("ln_attention", self.dtype)(x)
-        if self.decode:
-            y = RecurrentAttention(
-                num_heads=self.num_heads,
-                qkv_features=self.qkv_dim,
-                attention=self.attention,
-                attention_config=self.attention_config,
-                max_len=self.max_len,
-                dtype=self.dtype,
-                name="attention",
-            )(y)
-        else:
-            y = MultiHeadAttention(
-                num_heads=self.num_heads,
-                qkv_features=self.qkv_dim,
-                attention=self.attention,
-                attention_config=self.attention_config,
-                dtype=self.dtype,
-                name="attention",
-            )(y, mask=mask, causal=self.causal, deterministic=deterministic)
+        y = MultiHeadAttention(
+            num_heads=self.num_heads,
+            qkv_features=self.qkv_dim,
+            attention=self.attention,
+            attention_config=self.attention_config,
+            dtype=self.dtype,
+            decode=self.decode,
+            max_len=self.max_len,
+            name="attention",
+        )(y, mask=mask, causal=self.causal, deterministic=deterministic)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
         x = x + drop_path(self, y, self.drop_path_rate, deterministic)
         y = Mlp(self.mlp_dim, self.dropout_rate, self.dtype, name="mlp")(
@@ -392,226 +380,7 @@ class CausalLM(nn.Module):
         return _dense(self.vocab_size, "logits", ("embed", "vocab"), self.dtype)(x).astype(_f32)
 
 
-# ============================================================================ recurrence
-class KeyTerms(NamedTuple):
-    """One token's key features in the factored form ``phi(k) = exp(a - c) * b``.
-
-    ``a``: ``[B, 1, H, 1 or M]`` log-magnitudes (the part a stabiliser c must absorb);
-    ``b``: ``[B, 1, H, M]``; ``log_decay``: ``[B, 1, H]`` log of the state decay g_t (rfa's
-    gate) or None.
-    """
-
-    a: Any
-    b: Any
-    log_decay: Any = None
-
-
-def _zeros_like_token(x):
-    return jnp.zeros((*x.shape[:3], 1), _f32)
-
-
-@dataclasses.dataclass(frozen=True)
-class RecurrentMap:
-    """How a feature-map mechanism runs token by token.
-
-    ``query(q, params, cfg) -> phi_q [B, 1, H, M]`` (the mechanism's own per-token query
-    features) and ``key(k, params, cfg) -> KeyTerms``; ``cfg`` is the bound config
-    (``Mechanism.defaults``).
-    """
-
-    query: Callable[..., Any]
-    key: Callable[..., KeyTerms]
-
-
-def _performer_query(q, params, cfg):
-    return performer.feature_map(q, params["features"])[0]
-
-
-def _performer_key(k, params, cfg):
-    # (phi, n): features stabilised per token and exp(n) the per-key scale, which the
-    # parallel causal form also stabilises by the running max over visible keys
-    phi, n = performer.feature_map(k, params["features"])
-    return KeyTerms(n[..., None], phi)
-
-
-def _unit(x):
-    x = x.astype(_f32)
-    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-6)
-
-
-def _rfa_key(k, params, cfg):
-    feats = rfa.feature_map(k, params)
-    log_decay = None
-    if cfg.get("gate"):
-        g = jnp.einsum("bthd,hd->bth", _unit(k), params["gate_w"]) + params["gate_b"][None, None]
-        log_decay = jax.nn.log_sigmoid(g)
-        feats = feats * jax.nn.sigmoid(-g)[..., None]
-    return KeyTerms(_zeros_like_token(k), feats, log_decay)
-
-
-def _flex_s_key(k, params, cfg):
-    kh = core.scale_inputs(k)
-    # feature_map_s with is_query=True applies the norm factor exp(s - s) = 1: the trig part.
-    return KeyTerms(
-        0.5 * jnp.sum(kh * kh, axis=-1, keepdims=True),
-        flexformer.feature_map_s(k, params, is_query=True),
-    )
-
-
-def _flex_n_key(k, params, cfg):
-    k32 = k.astype(_f32)
-    s = jnp.sum(k32 * k32, axis=-1, keepdims=True) * jnp.exp(-params["tau"])[None, None, :, None]
-    return KeyTerms(s, flexformer.feature_map_n(k, params, is_query=True))
-
-
-RECURRENT: dict[str, RecurrentMap] = {
-    "linear_elu": RecurrentMap(
-        query=lambda q, p, c: linear_elu.feature_map(q),
-        key=lambda k, p, c: KeyTerms(_zeros_like_token(k), linear_elu.feature_map(k)),
-    ),
-    "hedgehog": RecurrentMap(
-        query=lambda q, p, c: hedgehog.feature_map(q, p),
-        key=lambda k, p, c: KeyTerms(_zeros_like_token(k), hedgehog.feature_map(k, p)),
-    ),
-    "performer": RecurrentMap(
-        query=_performer_query,
-        key=_performer_key,
-    ),
-    "rfa": RecurrentMap(query=lambda q, p, c: rfa.feature_map(q, p), key=_rfa_key),
-    "flexformer_s": RecurrentMap(
-        query=lambda q, p, c: flexformer.feature_map_s(q, p, is_query=True), key=_flex_s_key
-    ),
-    "flexformer_n": RecurrentMap(
-        query=lambda q, p, c: flexformer.feature_map_n(q, p, is_query=True), key=_flex_n_key
-    ),
-}
-
-
-def recurrent_update(state, phi_q, terms: KeyTerms, v):
-    """One step of the stabilised recurrence; returns ``(out [B, 1, H, Dv] f32, state)``.
-
-    ``state = (S [B, H, M, Dv], z [B, H, M], c [B, H])`` with ``S, z`` holding
-    ``sum_j g_{j+1..t} exp(a_j - c) b_j (v_j^T, 1)`` under the running max ``c``.
-    """
-    s, z, c = state
-    a = terms.a[:, 0].astype(_f32)  # [B, H, A]
-    b = terms.b[:, 0].astype(_f32)  # [B, H, M]
-    v = v[:, 0].astype(_f32)  # [B, H, Dv]
-    g = jnp.ones_like(c) if terms.log_decay is None else jnp.exp(terms.log_decay[:, 0])
-    c_new = jnp.maximum(c, jnp.max(a, axis=-1))  # [B, H]
-    old = g * jnp.exp(c - c_new)  # rescale to the new stabiliser, then decay
-    kf = jnp.exp(a - c_new[..., None]) * b  # [B, H, M]
-    s = s * old[..., None, None] + kf[..., None] * v[:, :, None, :]
-    z = z * old[..., None] + kf
-    pq = phi_q[:, 0].astype(_f32)  # [B, H, M]
-    num = jnp.einsum("bhm,bhmd->bhd", pq, s)
-    den = jnp.einsum("bhm,bhm->bh", pq, z)
-    out = num / core.guard_denominator(den)[..., None]
-    return out[:, None], (s, z, c_new)
-
-
-class RecurrentAttention(nn.Module):
-    """One-token attention with a recurrent state (or a KV cache); the parameters of
-    `linattn_jax.linen.MultiHeadAttention` (same names, shapes and collections), so a model
-    trained in parallel form decodes with its own variables.
-
-    Call with ``x [B, 1, F]`` and the ``cache`` collection mutable. Feature-map mechanisms
-    (`RECURRENT`) keep ``(S, z, c)`` per head; the others keep ``max_len`` keys
-    and values and run the mechanism (deterministic) over the cached prefix.
-    """
-
-    num_heads: int
-    qkv_features: int | None = None
-    out_features: int | None = None
-    attention: str = "softmax"
-    attention_config: Any = ()
-    max_len: int = 0
-    use_bias: bool = True
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        if x.ndim != 3 or x.shape[1] != 1:
-            raise ValueError(f"RecurrentAttention takes one token [B, 1, F], got {x.shape}")
-        features = x.shape[-1]
-        qkv_features = self.qkv_features or features
-        head_dim = mu.head_dims(self.num_heads, qkv_features)
-        mech = mu.bound_mechanism(self.attention, dict(self.attention_config))
-        init = nn.initializers.lecun_normal()
-
-        def proj(name):
-            return nn.DenseGeneral(
-                (self.num_heads, head_dim),
-                use_bias=self.use_bias,
-                name=name,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                kernel_init=nn.with_logical_partitioning(init, mu.QKV_AXES),
-            )
-
-        q, k, v = proj("query")(x), proj("key")(x), proj("value")(x)  # [B, 1, H, D]
-
-        def init_split(rng, which):
-            params = mech.init(rng, num_heads=self.num_heads, head_dim=head_dim)
-            return mu.split_params(mech, params)[which]
-
-        params = dict(self.param("mechanism", init_split, 0))
-        if mech.fixed_params():
-            params.update(
-                self.variable(
-                    "fixed", "mechanism", lambda: init_split(self.make_rng("params"), 1)
-                ).value
-            )
-        b, h = x.shape[0], self.num_heads
-        rec = RECURRENT.get(mech.name)
-        initialized = self.has_variable("cache", "state")
-        if rec is not None:
-            cfg = mech.defaults
-            phi_q = rec.query(q, params, cfg)
-            terms = rec.key(k, params, cfg)
-            m = phi_q.shape[-1]
-
-            def zeros():
-                return (
-                    jnp.zeros((b, h, m, head_dim), _f32),
-                    jnp.zeros((b, h, m), _f32),
-                    jnp.full((b, h), _NEG, _f32),
-                )
-
-            state = self.variable("cache", "state", zeros)
-            out, new = recurrent_update(state.value, phi_q, terms, v)
-            if initialized:
-                state.value = new
-        else:
-            if self.max_len < 1:
-                raise ValueError(
-                    f"{mech.name!r} decodes with a KV cache: RecurrentAttention needs max_len"
-                )
-
-            def zeros():
-                shape = (b, self.max_len, h, head_dim)
-                return (jnp.zeros(shape, k.dtype), jnp.zeros(shape, v.dtype), jnp.int32(0))
-
-            state = self.variable("cache", "state", zeros)
-            kc, vc, idx = state.value
-            kc = jax.lax.dynamic_update_slice_in_dim(kc, k, idx, axis=1)
-            vc = jax.lax.dynamic_update_slice_in_dim(vc, v, idx, axis=1)
-            mask = jnp.broadcast_to(jnp.arange(self.max_len)[None, :] <= idx, (b, self.max_len))
-            out = mech.attention(q, kc, vc, params, None, mask=mask, deterministic=True)
-            if initialized:
-                state.value = (kc, vc, idx + 1)
-        return nn.DenseGeneral(
-            self.out_features or features,
-            axis=(-2, -1),
-            use_bias=self.use_bias,
-            name="out",
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            kernel_init=nn.with_logical_partitioning(init, mu.OUT_AXES),
-        )(out.astype(q.dtype))
-
-
+# ============================================================================ decoding
 def init_cache(model: CausalLM, variables, batch_size: int):
     """The empty decoding cache (``cache`` collection) for `batch_size` sequences."""
     params_only = {k: v for k, v in variables.items() if k != "cache"}
@@ -823,13 +592,9 @@ def encode_text(text: str) -> np.ndarray:
 
 
 __all__ = [
-    "RECURRENT",
     "Block",
     "CausalLM",
-    "KeyTerms",
     "Mlp",
-    "RecurrentAttention",
-    "RecurrentMap",
     "TextData",
     "decode_step",
     "decode_text",
