@@ -214,3 +214,30 @@ def _check_close(got, want, name):
     assert err > 1e-4, err  # bf16 was used
     if name not in ("flexformer_n", "laplacian"):
         assert err < 8 * BF16_ULP, err
+
+
+@pytest.mark.parametrize("name", ["performer", "softmax"])
+def test_linen_decode_mode_equals_parallel_causal(name):
+    """``decode=True``: one token per call with the ``cache`` collection gives the parallel
+    causal layer's outputs (performer: the recurrent state of its feature map; softmax: a KV
+    cache), with the same parameters."""
+    config = tuple(SMALL_CONFIG.get(name, {}).items())
+    kw = dict(num_heads=H, attention=name, attention_config=config, deterministic=True)
+    x = _x(t=6)
+    variables = la_linen.MultiHeadAttention(**kw).init(jax.random.key(0), x)
+    want = la_linen.MultiHeadAttention(**kw).apply(variables, x, causal=True)
+    dec = la_linen.MultiHeadAttention(**kw, decode=True, max_len=6)
+    cache = dec.init(jax.random.key(0), x[:, :1])["cache"]
+    outs = []
+    for i in range(6):
+        y, upd = dec.apply({**variables, "cache": cache}, x[:, i : i + 1], mutable=["cache"])
+        cache = upd["cache"]
+        outs.append(y)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), want, rtol=1e-4, atol=1e-5)
+    state_shapes = {leaf.shape for leaf in jax.tree.leaves(cache)}
+    assert any(6 in s for s in state_shapes) == (la.get(name).feature_map is None)
+    with pytest.raises(ValueError, match="one token"):
+        dec.apply({**variables, "cache": cache}, x[:, :2], mutable=["cache"])
+    if la.get(name).feature_map is None:
+        with pytest.raises(ValueError, match="needs max_len >= 1"):
+            la_linen.MultiHeadAttention(**kw, decode=True).init(jax.random.key(0), x[:, :1])
