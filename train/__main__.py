@@ -11,6 +11,11 @@ prints a summary. Examples::
 
 Any config field (``train/configs/default.py``) can be overridden with ``--set a.b=v`` or
 ``--config.a.b=v`` (repeatable; values are Python literals or strings).
+
+The summary ends with softmax's accuracy on the same budget: ``--compare softmax`` trains
+it (in ``<workdir>_softmax``), otherwise the stored `REFERENCES` entry is printed when
+the run is the default budget of its task (no ``--set`` / ``--seed``), with the command
+that produced it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,16 @@ import logging
 import sys
 
 from train import configs
+
+#: softmax on the default budget of ``(task, preset, steps)``, printed beside the summary.
+#: Regenerate with the command stored beside the numbers (nothing else changes them).
+REFERENCES = {
+    ("listops", "mini", 500): {
+        "val": 0.36800000071525574,
+        "test": 0.39399999380111694,
+        "command": "python -m train --attention softmax",
+    },
+}
 
 
 def parse_args(argv):
@@ -39,6 +54,12 @@ def parse_args(argv):
         "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
     )
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--compare",
+        default=None,
+        metavar="ATTENTION",
+        help="also train this mechanism on the same config and print both (e.g. softmax)",
+    )
     p.add_argument(
         "--distributed", action="store_true", help="jax.distributed.initialize() (multi-host)"
     )
@@ -80,11 +101,43 @@ def main(argv=None) -> dict:
     loop.maybe_initialize_distributed(config)
     workdir = args.workdir or f"workdir/{config.task}_{config.preset}_{config.attention}"
     summary = loop.train_and_evaluate(config, workdir)
+    other = None
+    if args.compare:
+        other_config = configs.set_attention(config.copy_and_resolve_references(), args.compare)
+        configs.apply_overrides(other_config, overrides)
+        other = loop.train_and_evaluate(other_config, f"{workdir}_{args.compare}")
     import jax
 
     if jax.process_index() == 0:
         print(loop.format_summary(summary), flush=True)
+        line = comparison_line(summary, other, args, overrides)
+        if line:
+            print(line, flush=True)
     return summary
+
+
+def _pct(x):
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def comparison_line(summary, other, args, overrides) -> str | None:
+    """The summary's last line: the other mechanism's accuracy on the same budget."""
+    mine = (
+        f"{summary['attention']} val {_pct(summary['val'].get('accuracy'))} / test "
+        f"{_pct(summary['test'].get('accuracy'))}"
+    )
+    if other is not None:
+        return (
+            f"same budget: {mine}; {other['attention']} val "
+            f"{_pct(other['val'].get('accuracy'))} / test {_pct(other['test'].get('accuracy'))}"
+        )
+    ref = REFERENCES.get((summary["task"], summary["preset"], summary["steps"]))
+    if ref is None or overrides or args.seed is not None or summary["attention"] == "softmax":
+        return None
+    return (
+        f"same budget: {mine}; softmax val {_pct(ref['val'])} / test {_pct(ref['test'])} "
+        f"(stored reference: {ref['command']})"
+    )
 
 
 if __name__ == "__main__":
