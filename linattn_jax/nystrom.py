@@ -218,14 +218,16 @@ def _inverter(inverse: str, family: str, ns_iters: int, eps: float, impl: str, i
 # --------------------------------------------------------------------------- the shared core
 
 
-def _assign(t, m, mask, batch, grid, n_slots):
-    """Landmark weights ``[B, T, n_slots]`` and validity ``[B, n_slots]`` (zero-padded slots)."""
-    w, valid = lm.assignment(t, m, mask=mask, batch=batch, grid=grid)
-    pad = n_slots - w.shape[-1]
+def _landmarks(x, m, mask, grid, n_slots):
+    """Segment-mean landmarks ``[B, H, n_slots, D]`` and validity ``[B, n_slots]`` (slots past
+    the sequence's own count zero-padded and invalid), without a one-hot assignment matrix
+    (`linattn_jax.landmarks.landmarks`)."""
+    x_lm, valid = lm.landmarks(x, m, mask=mask, grid=grid)
+    pad = n_slots - x_lm.shape[1]
     if pad:
-        w = jnp.pad(w, ((0, 0), (0, 0), (0, pad)))
+        x_lm = jnp.pad(x_lm, ((0, 0), (0, pad), (0, 0), (0, 0)))
         valid = jnp.pad(valid, ((0, 0), (0, pad)))
-    return w, valid
+    return _heads_first(x_lm), valid
 
 
 def _heads_first(x):
@@ -321,13 +323,12 @@ def _nystrom(
     n_slots = lm.num_landmarks(tk, num_landmarks, grid)
     if not shared_landmarks:
         n_slots = max(n_slots, lm.num_landmarks(tq, num_landmarks, grid))
-    wk, valid = _assign(tk, num_landmarks, kmask, b, grid, n_slots)
-    k_lm = _heads_first(lm.segment_means(kx, wk))  # [B, H, L, D]
+    k_lm, valid = _landmarks(kx, num_landmarks, mask, grid, n_slots)  # [B, H, L, D]
     if shared_landmarks:
         left = k_lm
     else:
-        wq, valid_q = _assign(tq, num_landmarks, qmask, b, grid, n_slots)
-        left = _heads_first(lm.segment_means(qx, wq))
+        q_only = mask if (mask is not None and tq == tk) else None
+        left, valid_q = _landmarks(qx, num_landmarks, q_only, grid, n_slots)
         valid = valid & valid_q  # a slot is valid when both its landmarks are
     qh, kh = _heads_first(qx), _heads_first(kx)
 
