@@ -24,7 +24,7 @@ import argparse
 import logging
 import sys
 
-from train import configs
+from train import cli, configs
 
 #: softmax on the default budget of ``(task, preset, steps)``, printed beside the summary.
 #: Regenerate with the command stored beside the numbers (nothing else changes them).
@@ -37,23 +37,10 @@ REFERENCES = {
 }
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(
-        prog="python -m train", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    p.add_argument("--task", default="listops", help=f"one of {sorted(configs.CONFIGS)}")
-    p.add_argument("--preset", default="mini", help="mini (CPU minutes) or full (LRA settings)")
-    p.add_argument(
-        "--attention", default="flexformer_n", help="attention mechanism (registry name)"
-    )
-    p.add_argument("--workdir", default=None, help="default: workdir/<task>_<preset>_<attention>")
-    p.add_argument("--steps", type=int, default=None, help="override num_train_steps")
-    p.add_argument("--seed", type=int, default=None, help="override seed (init and step rng)")
-    p.add_argument("--data_dir", default=None, help="override data.data_dir")
-    p.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
-    )
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+def parser():
+    """The ``python -m train`` parser (`train.cli.parser` plus ``--compare``, ``--distributed``)."""
+    p = cli.parser("python -m train", __doc__)
+    p.formatter_class = argparse.RawTextHelpFormatter
     p.add_argument(
         "--compare",
         default=None,
@@ -63,31 +50,15 @@ def parse_args(argv):
     p.add_argument(
         "--distributed", action="store_true", help="jax.distributed.initialize() (multi-host)"
     )
-    args, rest = p.parse_known_args(argv)
-    overrides = list(args.set)
-    for item in rest:  # --config.a.b=v (ml_collections config_flags style)
-        if item.startswith("--config.") and "=" in item:
-            overrides.append(item[len("--config.") :])
-        else:
-            p.error(f"unrecognized argument {item!r}")
-    return args, overrides
+    return p
 
 
-def build_config(args, overrides):
-    config = configs.get_config(args.task, args.preset)
-    configs.set_attention(config, args.attention)
-    if args.steps is not None:
-        config.num_train_steps = args.steps
-    if args.seed is not None:
-        config.seed = args.seed
-    if args.data_dir is not None:
-        config.data.data_dir = args.data_dir
-    if args.no_progress:
-        config.progress_bar = False
-    if args.distributed:
-        config.distributed = True
-    configs.apply_overrides(config, overrides)
-    return config
+def parse_args(argv):
+    """``(args, overrides)``: the flags, and the ``--set`` / ``--config.a.b=v`` overrides."""
+    return cli.parse(parser(), argv)
+
+
+build_config = cli.build_config
 
 
 def main(argv=None) -> dict:
@@ -99,7 +70,7 @@ def main(argv=None) -> dict:
     from train import loop
 
     loop.maybe_initialize_distributed(config)
-    workdir = args.workdir or f"workdir/{config.task}_{config.preset}_{config.attention}"
+    workdir = args.workdir or cli.default_workdir(config)
     summary = loop.train_and_evaluate(config, workdir)
     other = None
     if args.compare:

@@ -20,7 +20,8 @@ What one run does (everything driven by an ``ml_collections`` config, see
 
 Adding a task or model
 ----------------------
-A workload is three functions; register it and give it a config::
+A workload is three functions; add them to the table in ``train/workloads.py`` and give
+it a config::
 
     def build_data(config):            # -> object with the train.data.Task batch API:
         ...                            #    train_batches(B, seed=, start_step=, num_threads=,
@@ -37,7 +38,7 @@ A workload is three functions; register it and give it a config::
     def loss_fn(outputs, batch, weights, config):  # weights: float [B], 0 on eval padding
         return {"loss": (sum, count), "accuracy": (sum, count), ...}
 
-    WORKLOADS["my_task"] = Workload(build_data, build_model, loss_fn)
+    WORKLOADS = {..., "my_task": Workload(build_data, build_model, loss_fn)}  # workloads.py
     # config: start from train.configs.default.get_config(), set config.task = "my_task"
     # (and add a module to train.configs.CONFIGS to get `python -m train --task my_task`).
 
@@ -52,14 +53,13 @@ model gets rng streams ``dropout`` and ``attention`` (``fold_in(key, step)`` spl
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
 import resource
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -72,77 +72,11 @@ import optax
 
 from train import checkpoint as ckpt_lib
 from train import metrics as metrics_lib
-from train import models
 from train import sharding as shard_lib
+from train.losses import classification_loss  # re-exported for old callers
+from train.workloads import LRA_WORKLOAD, WORKLOADS, Workload, get_workload
 
 log = logging.getLogger(__name__)
-
-# loss_fn(outputs, batch, weights [B], config) -> {name: (weighted sum, weight total)}
-LossFn = Callable[..., dict[str, tuple[jax.Array, jax.Array]]]
-
-
-# ----------------------------------------------------------------------------- workloads
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    """How to train one kind of task: data, model and loss (see the module docstring)."""
-
-    build_data: Callable[[Any], Any]
-    build_model: Callable[[Any, Any], nn.Module]
-    loss_fn: LossFn
-
-
-def classification_loss(logits, batch, weights, *, label_smoothing: float = 0.0):
-    """Cross-entropy and accuracy of ``logits [B, C]`` against ``batch["targets"] [B]``.
-
-    Returns ``{"loss": (sum_b w_b ce_b, sum_b w_b), "accuracy": (sum_b w_b 1[argmax=y], ...)}``.
-    """
-    targets = batch["targets"]
-    num_classes = logits.shape[-1]
-    onehot = jax.nn.one_hot(targets, num_classes, dtype=jnp.float32)
-    if label_smoothing:
-        onehot = onehot * (1.0 - label_smoothing) + label_smoothing / num_classes
-    ce = optax.softmax_cross_entropy(logits.astype(jnp.float32), onehot)  # [B]
-    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-    count = jnp.sum(weights)
-    return {"loss": (jnp.sum(ce * weights), count), "accuracy": (jnp.sum(correct * weights), count)}
-
-
-def _lra_data(config):
-    from train.data import get_task
-
-    cfg = config.data.to_dict()
-    cfg = {k: v for k, v in cfg.items() if v is not None}
-    cfg["batch_size"] = config.batch_size
-    cfg["seed"] = config.data_shuffle_seed
-    return get_task(config.task, cfg)
-
-
-def _lra_model(config, data):
-    return models.build_classifier(
-        config,
-        vocab_size=data.vocab_size,
-        num_classes=data.num_classes,
-        seq_len=data.seq_len,
-        is_pair=data.is_pair,
-    )
-
-
-def _lra_loss(outputs, batch, weights, config):
-    return classification_loss(
-        outputs, batch, weights, label_smoothing=float(config.label_smoothing)
-    )
-
-
-LRA_WORKLOAD = Workload(_lra_data, _lra_model, _lra_loss)
-WORKLOADS: dict[str, Workload] = {
-    name: LRA_WORKLOAD for name in ("listops", "text", "retrieval", "image", "pathfinder")
-}
-
-
-def get_workload(name: str) -> Workload:
-    if name not in WORKLOADS:
-        raise ValueError(f"unknown task {name!r}; registered workloads: {sorted(WORKLOADS)}")
-    return WORKLOADS[name]
 
 
 # ----------------------------------------------------------------------------- state
@@ -772,6 +706,42 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, data=None) -> dict
     return summary
 
 
+def eval_variables(state) -> dict:
+    """``{"params": ..., **extra}`` of a `TrainState`: the params its run evaluates (the
+    parameter EMA when the optimizer keeps one, ``config.ema_decay > 0``)."""
+    ema = ema_params(state.opt_state)
+    return {"params": state.params if ema is None else ema, **state.extra}
+
+
+def restore_run(config, workdir, *, data=None, prefer: str = "best"):
+    """``(trainer, state, meta)`` of the run of `config` in `workdir` (best, else latest).
+
+    Raises:
+      FileNotFoundError: `workdir` has no checkpoint (says how to train one).
+    """
+    trainer = Trainer(config, data)
+    ckpt = ckpt_lib.Checkpointer(
+        workdir,
+        async_save=False,
+        best_metric=str(config.get("best_metric", "accuracy")),
+        best_mode=str(config.get("best_mode", "max")),
+    )
+    try:
+        abstract = trainer.abstract_sharded_state().as_dict()
+        restored = ckpt.restore_best(abstract) if prefer == "best" else None
+        restored = restored or ckpt.restore_latest(abstract)
+    finally:
+        ckpt.close()
+    if restored is None:
+        raise FileNotFoundError(
+            f"no checkpoint of a {config.attention!r} {config.task!r} run in {workdir}; train "
+            f"it first: python -m train --task {config.task} --preset {config.preset} "
+            f"--attention {config.attention} --workdir {workdir} (or pass --train_teacher)"
+        )
+    state_dict, meta = restored
+    return trainer, TrainState.from_dict(state_dict), meta
+
+
 def format_summary(summary: Mapping[str, Any]) -> str:
     """A human-readable summary (what ``python -m train`` prints at the end)."""
 
@@ -836,8 +806,10 @@ __all__ = [
     "Workload",
     "classification_loss",
     "ema_params",
+    "eval_variables",
     "format_summary",
     "get_workload",
+    "restore_run",
     "learning_rate_schedule",
     "make_optimizer",
     "maybe_initialize_distributed",

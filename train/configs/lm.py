@@ -23,8 +23,6 @@ from train.configs import default
 
 
 def get_config(preset: str = "mini") -> ml_collections.ConfigDict:
-    from train import lm  # noqa: F401  (registers the "lm" workload in train.loop)
-
     c = default.get_config()
     c.task = "lm"
     c.preset = preset

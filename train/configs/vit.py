@@ -52,8 +52,6 @@ def attention_defaults(preset: str, attention: str) -> dict:
 
 
 def get_config(preset: str = "mini") -> ml_collections.ConfigDict:
-    from train import vision  # noqa: F401  (registers the "vit" workload in train.loop)
-
     c = default.get_config()
     c.task = "vit"
     c.preset = preset

@@ -21,9 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _config, listops, pathfinder, retrieval, tfds_tasks
+from . import config_keys, listops, pathfinder, retrieval, tfds_tasks
 from .errors import DatasetNotFoundError
 from .pipeline import ArraySource, LazySource, Task
+
+_config = config_keys  # the module's old private name (tests/test_data_pathfinder.py)
 
 TASKS: dict[str, Callable[[dict[str, Any]], Task]] = {
     "listops": listops.build_task,
@@ -75,7 +77,7 @@ def get_task(name: str, config: Any = None, **overrides: Any) -> Task:
     key = ALIASES.get(name, name)
     if key not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {sorted(TASKS)} (aliases {ALIASES})")
-    cfg = _config.as_dict(config)
+    cfg = config_keys.as_dict(config)
     cfg.update(overrides)
     return TASKS[key](cfg)
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _config
+from . import config_keys as _config
 from .errors import DatasetNotFoundError
 from .pipeline import ArraySource, Task
 

@@ -93,7 +93,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _config
+from . import config_keys as _config
 from .errors import DatasetNotFoundError
 from .pipeline import ArraySource, LazySource, Task
 
@@ -158,7 +158,7 @@ class PathfinderSpec:
 
     def cache_name(self) -> str:
         return (
-            f"snakes_s{self.image_size}_len{self.contour_length}_d{self.num_distractors}x"
+            f"snakes2_s{self.image_size}_len{self.contour_length}_d{self.num_distractors}x"
             f"{self.distractor_length}_p{self.paddle_length:g}x{self.paddle_thickness:g}"
             f"m{self.margin:g}_sd{self.seed_distance:g}_c{self.continuity:g}"
             f"_k{self.snake_contrast:g}x{self.paddle_contrast:g}_r{self.marker_radius:g}"
@@ -166,14 +166,16 @@ class PathfinderSpec:
         )
 
     @property
-    def main_radius(self) -> float:
-        """Keep-out radius of a main-contour paddle's head and middle."""
-        return self.paddle_thickness / 2 + 2 * self.margin
+    def separation(self) -> float:
+        """Smallest distance between the centre lines of paddles of different contours
+        (Linsley: a paddle's mask is its body dilated by ``margin``; masks may not overlap)."""
+        return self.paddle_thickness + 2 * self.margin
 
     @property
-    def distractor_radius(self) -> float:
-        """Keep-out radius of a distractor paddle's head (smaller: they may touch/cross)."""
-        return self.paddle_thickness / 2 + self.margin
+    def marker_separation(self) -> float:
+        """Smallest distance between a contour tip (where a marker may go) and the centre
+        line of a paddle of another contour: ``separation`` plus what the marker disk adds."""
+        return self.separation + max(self.marker_radius - self.paddle_thickness / 2, 0.0)
 
 
 def difficulty_spec(difficulty: str, **overrides) -> PathfinderSpec:
@@ -235,6 +237,33 @@ def _clearance(p: np.ndarray, segments: np.ndarray) -> np.ndarray:
     segments = segments.astype(np.float32)
     a, b = segments[:, None, :, 0], segments[:, None, :, 1]  # [k, 1, M, 2]
     return _point_segment_distance(p[:, :, None].astype(np.float32), a, b).min(-1)
+
+
+def _cross(o: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """z of (a - o) x (b - o) for (y, x) points (broadcast)."""
+    return (a[..., 0] - o[..., 0]) * (b[..., 1] - o[..., 1]) - (a[..., 1] - o[..., 1]) * (
+        b[..., 0] - o[..., 0]
+    )
+
+
+def _body_gap(tail: np.ndarray, head: np.ndarray, segments: np.ndarray) -> np.ndarray:
+    """Distance from candidate paddles ``tail``-``head`` ([k, C, 2] each) to the nearest of
+    ``segments`` ([k, M, 2, 2]; ``_FAR`` ones are never near): ``[k, C]``, 0 where they cross.
+
+    Exact for segments in the plane: the smallest of the four endpoint-to-segment distances,
+    or 0 when the two segments properly intersect.
+    """
+    if segments.shape[1] == 0:
+        return np.full(tail.shape[:-1], np.inf, dtype=np.float32)
+    segments = segments.astype(np.float32)
+    a, b = tail[:, :, None].astype(np.float32), head[:, :, None].astype(np.float32)
+    c, d = segments[:, None, :, 0], segments[:, None, :, 1]  # [k, 1, M, 2]
+    gap = np.minimum(
+        np.minimum(_point_segment_distance(a, c, d), _point_segment_distance(b, c, d)),
+        np.minimum(_point_segment_distance(c, a, b), _point_segment_distance(d, a, b)),
+    )
+    crossing = (_cross(a, b, c) * _cross(a, b, d) < 0) & (_cross(c, d, a) * _cross(c, d, b) < 0)
+    return np.where(crossing, 0.0, gap).min(-1)
 
 
 def _inside(p: np.ndarray, size: int) -> np.ndarray:
@@ -324,10 +353,13 @@ def _main_contours(rng: np.random.Generator, spec: PathfinderSpec, n: int):
 
     ``paddles[i, c, j] = (tail, head)`` of paddle ``j`` of contour ``c``; the origin of
     contour ``c`` is ``paddles[i, c, 0, 0]``, its terminal tip ``paddles[i, c, -1, 1]``.
-    Rows with ``ok`` False got stuck and must be redrawn. Rows that get stuck are dropped
-    from the remaining steps.
+    Every paddle keeps ``separation`` from the other contour's paddles and from its own
+    (but the last: Linsley's mask lags one paddle), and ``marker_separation`` from the
+    other contour's tips. Rows with ``ok`` False got stuck and must be redrawn; they are
+    dropped from the remaining steps.
     """
     s, length = spec.image_size, spec.contour_length
+    sep, msep = spec.separation, spec.marker_separation
     border = _origin_border(spec)
     c_ = _CANDIDATES
     origin0 = rng.integers(border, s - border, size=(n, 1, 2)).astype(np.float64)
@@ -341,6 +373,11 @@ def _main_contours(rng: np.random.Generator, spec: PathfinderSpec, n: int):
     for c in range(2):
         pivot, theta, head = _first_paddle(rng, spec, tails[c])
         good = _inside(head, s) & _inside(pivot, s)
+        if c == 1:  # apart from contour 0's first paddle and its origin
+            first = paddles[:, 0, :1]
+            good &= _body_gap(tails[1], head, first) > sep
+            good &= _body_gap(tails[1], head, _point_segments(origin0)) > msep
+            good &= _clearance(tails[1], first) > msep
         pick = good.argmax(-1)
         ok &= good.any(-1)
         pivots.append(pivot[r, pick])
@@ -351,14 +388,16 @@ def _main_contours(rng: np.random.Generator, spec: PathfinderSpec, n: int):
     thetas = [t[alive] for t in thetas]
     for j in range(1, length):
         for c in range(2):
-            # all paddles so far except this contour's last one (Linsley's mask lags one)
-            others = paddles[alive, :, : j + 1].reshape(len(alive), 2 * (j + 1), 2, 2)
-            others[:, c * (j + 1) + j - 1] = _FAR
+            own = paddles[alive, c, : j - 1]
+            other = paddles[alive, 1 - c, : j + c]  # contour 0 goes first at every step
+            origin = _point_segments(paddles[alive, 1 - c, 0, 0][:, None])
 
-            def blocked(tail, head, others=others):
-                points = np.concatenate([head, (tail + head) / 2], axis=1)
-                near = _clearance(points, others) <= spec.main_radius
-                return near[:, : head.shape[1]] | near[:, head.shape[1] :]
+            def blocked(tail, head, own=own, other=other, origin=origin):
+                return (
+                    (_body_gap(tail, head, own) <= sep)
+                    | (_body_gap(tail, head, other) <= sep)
+                    | (_body_gap(tail, head, origin) <= msep)
+                )
 
             step_ok, pivot, theta, paddle = _turn(rng, spec, pivots[c], thetas[c], blocked)
             paddles[alive, c, j] = paddle
@@ -368,16 +407,30 @@ def _main_contours(rng: np.random.Generator, spec: PathfinderSpec, n: int):
             pivots = [p[keep] for p in pivots]
             thetas = [t[keep] for t in thetas]
             pivots[c], thetas[c] = pivot[keep], theta[keep]
+    # the terminal tips (known only now) also keep marker_separation from the other contour
+    for c in range(2):
+        tip = paddles[alive, c, -1, 1][:, None]
+        ok[alive[(_clearance(tip, paddles[alive, 1 - c]) <= msep)[:, 0]]] = False
     return ok, paddles
 
 
-def _distractors(rng, spec, segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _point_segments(points: np.ndarray) -> np.ndarray:
+    """Points ``[k, P, 2]`` as zero-length segments ``[k, P, 2, 2]``."""
+    return np.repeat(points[:, :, None], 2, axis=2)
+
+
+def _distractors(rng, spec, mains: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Distractor paddles ``[n, D, Ld, 2, 2]`` (``_FAR`` where left out) and counts ``[n]``.
 
-    ``segments`` ([n, M, 2, 2]) are the main contours' paddles; every distractor drawn is
-    added to the segments the next ones test against.
+    ``mains`` ([n, 2, L, 2, 2]) are the main contours. Every distractor paddle keeps
+    ``separation`` from the main contours' paddles and ``marker_separation`` from their four
+    tips, so no distractor touches a main contour or bridges the two; distractors may touch
+    and cross each other.
     """
-    n, radius = len(segments), spec.distractor_radius
+    n = len(mains)
+    sep, msep = spec.separation, spec.marker_separation
+    tips = _point_segments(np.concatenate([mains[:, :, 0, 0], mains[:, :, -1, 1]], axis=1))
+    mains = mains.reshape(n, -1, 2, 2)
     ld = spec.distractor_length
     out = np.full((n, spec.num_distractors, ld, 2, 2), _FAR, dtype=np.float64)
     drawn = np.zeros(n, dtype=np.int64)
@@ -387,23 +440,19 @@ def _distractors(rng, spec, segments: np.ndarray) -> tuple[np.ndarray, np.ndarra
         for _attempt in range(spec.tries):
             if not len(todo):
                 break
-            fixed = np.concatenate(
-                [segments[todo], out[todo, :i].reshape(len(todo), -1, 2, 2)], axis=1
-            )
+            fixed, ends = mains[todo], tips[todo]
+
+            def blocked(tail, head, fixed=fixed, ends=ends):
+                return (_body_gap(tail, head, fixed) <= sep) | (_body_gap(tail, head, ends) <= msep)
+
             tail = rng.integers(0, s, size=(len(todo), _CANDIDATES, 2)).astype(np.float64)
             pivot, theta, head = _first_paddle(rng, spec, tail)
-            points = np.concatenate([tail, (tail + head) / 2, head], axis=1)
-            free = (_clearance(points, fixed) > radius).reshape(len(todo), 3, -1).all(1)
-            good = _inside(head, s) & _inside(pivot, s) & free
+            good = _inside(head, s) & _inside(pivot, s) & ~blocked(tail, head)
             pick = good.argmax(-1)
             r = np.arange(len(todo))
             ok = good.any(-1)
             pivot, theta = pivot[r, pick], theta[r, pick]
             paddles = [np.stack([tail[r, pick], head[r, pick]], axis=1)]
-
-            def blocked(tail, head, fixed=fixed):  # the head only: may touch and cross
-                return _clearance(head, fixed) <= radius
-
             for _j in range(1, ld):
                 step_ok, pivot, theta, paddle = _turn(rng, spec, pivot, theta, blocked)
                 ok &= step_ok
@@ -447,8 +496,8 @@ def generate_images(
         good = np.flatnonzero(ok)[: len(todo)]
         mains[todo[: len(good)]] = p[good]
         todo = todo[len(good) :]
-    mains = mains.reshape(n, 2 * length, 2, 2)
     distract, drawn = _distractors(rng, spec, mains)
+    mains = mains.reshape(n, 2 * length, 2, 2)
     tips = np.stack([mains[:, ::length, 0], mains[:, length - 1 :: length, 1]], axis=2)
     rows = np.arange(n)
     origin = rng.integers(0, 2, size=n)
@@ -530,6 +579,34 @@ def save_grid(
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(grid, mode="L").save(path)
     return grid
+
+
+def markers_connected(
+    images: np.ndarray, markers: np.ndarray, *, threshold: int = 1
+) -> np.ndarray:
+    """Whether the two markers of each image are joined by ink in the picture: ``[N]`` bool.
+
+    Pixels ``>= threshold`` are ink; the component of marker 0 (4-connected) is grown until
+    it stops and checked for marker 1's centre pixel. This is what a reader of the image
+    can see; the labels come from the construction, and ``visible_agreement`` measures how
+    often the two agree.
+    """
+    images, markers = np.asarray(images), np.rint(np.asarray(markers)).astype(np.int64)
+    ink = images >= threshold
+    rows = np.arange(len(images))
+    grown = np.zeros_like(ink)
+    grown[rows, markers[:, 0, 0], markers[:, 0, 1]] = True
+    grown &= ink
+    while True:
+        step = grown.copy()
+        step[:, 1:] |= grown[:, :-1]
+        step[:, :-1] |= grown[:, 1:]
+        step[:, :, 1:] |= grown[:, :, :-1]
+        step[:, :, :-1] |= grown[:, :, 1:]
+        step &= ink
+        if np.array_equal(step, grown):
+            return grown[rows, markers[:, 1, 0], markers[:, 1, 1]]
+        grown = step
 
 
 # ----------------------------------------------------------------------------- cache

@@ -116,7 +116,7 @@ def shuffle_seed(seed: int) -> int:
     return int(np.random.SeedSequence(int(seed)).generate_state(1, dtype=np.uint32)[0])
 
 
-def _check_process(batch_size: int, process_index: int, process_count: int) -> int:
+def check_process(batch_size: int, process_index: int, process_count: int) -> int:
     if not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if process_count <= 0 or not 0 <= process_index < process_count:
@@ -195,7 +195,7 @@ class Task:
 
         batch_size = self.batch_size if batch_size is None else batch_size
         seed = self.seed if seed is None else seed
-        local = _check_process(batch_size, process_index, process_count)
+        local = check_process(batch_size, process_index, process_count)
         src = self.source(split)
         if len(src) == 0:
             raise ValueError(f"task {self.name!r} split {split!r} is empty")
@@ -264,7 +264,7 @@ class Task:
         (bool ``[B]``, True on real examples) so a jitted eval step sees one shape.
         """
         batch_size = self.batch_size if batch_size is None else batch_size
-        local = _check_process(batch_size, process_index, process_count)
+        local = check_process(batch_size, process_index, process_count)
         src = self.source(split)
         n = len(src)
         if n == 0:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _config
+from . import config_keys
 from .errors import DatasetNotFoundError
 from .pipeline import LazySource, Task
 from .tokenizers import BYTE_VOCAB_SIZE, encode_bytes
@@ -98,7 +98,7 @@ def pair_example(seq_len: int, add_cls: bool, add_eos: bool):
 
 def search_dirs(cfg: Mapping[str, Any]) -> list[Path]:
     """Where the AAN TSVs are looked for, in order."""
-    root = _config.data_dir(cfg)
+    root = config_keys.data_dir(cfg)
     dirs = [Path(os.path.expanduser(str(cfg["aan_dir"])))] if cfg.get("aan_dir") else []
     if cfg.get("lra_dir"):
         lra = Path(os.path.expanduser(str(cfg["lra_dir"])))
@@ -113,8 +113,8 @@ def search_dirs(cfg: Mapping[str, Any]) -> list[Path]:
 
 def build_task(cfg: Mapping[str, Any]) -> Task:
     """Retrieval (AAN) ``Task``; see the module docstring."""
-    variant = _config.variant(cfg)
-    seq_len = _config.positive_int(cfg, "seq_len", SEQ_LEN[variant])
+    variant = config_keys.variant(cfg)
+    seq_len = config_keys.positive_int(cfg, "seq_len", SEQ_LEN[variant])
     candidates = search_dirs(cfg)
     found = next((d for d in candidates if (d / FILES["train"]).is_file()), None)
     if found is None:
@@ -143,7 +143,7 @@ def build_task(cfg: Mapping[str, Any]) -> Task:
         num_classes=2,
         seq_len=seq_len,
         is_pair=True,
-        batch_size=_config.positive_int(cfg, "batch_size", 32),
+        batch_size=config_keys.positive_int(cfg, "batch_size", 32),
         seed=int(cfg.get("seed") or 0),
         info={"source": "lra aan", "directory": str(found), "label_counts": counts},
     )

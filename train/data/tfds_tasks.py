@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _config
+from . import config_keys
 from .errors import DatasetNotFoundError
 from .pipeline import LazySource, Task
 from .tokenizers import BYTE_OFFSET, BYTE_VOCAB_SIZE, encode_bytes
@@ -46,7 +46,7 @@ def tfds_data_dir(cfg: Mapping[str, Any]) -> Path:
     """``cfg["tfds_data_dir"]``, else the common ``data_dir``."""
     if cfg.get("tfds_data_dir"):
         return Path(os.path.expanduser(str(cfg["tfds_data_dir"])))
-    return _config.data_dir(cfg)
+    return config_keys.data_dir(cfg)
 
 
 def how_to_build(name: str, data_dir: Path) -> str:
@@ -97,7 +97,7 @@ def _subset(n: int, size: int | None, seed: int = 0) -> np.ndarray | None:
 
 
 def _sizes(cfg: Mapping[str, Any]) -> dict[str, int | None]:
-    mini = _config.variant(cfg) == "mini"
+    mini = config_keys.variant(cfg) == "mini"
     out = {}
     for split, default in MINI_SIZES.items():
         value = cfg.get(f"num_{split}")
@@ -117,8 +117,8 @@ def text_example(seq_len: int, add_cls: bool, add_eos: bool):
 
 def build_text(cfg: Mapping[str, Any]) -> Task:
     """Text (byte-level IMDB) ``Task``; see the module docstring."""
-    variant = _config.variant(cfg)
-    seq_len = _config.positive_int(cfg, "seq_len", TEXT_SEQ_LEN[variant])
+    variant = config_keys.variant(cfg)
+    seq_len = config_keys.positive_int(cfg, "seq_len", TEXT_SEQ_LEN[variant])
     data_dir = tfds_data_dir(cfg)
     add_cls, add_eos = bool(cfg.get("add_cls", False)), bool(cfg.get("add_eos", False))
     fn = text_example(seq_len, add_cls, add_eos)
@@ -137,7 +137,7 @@ def build_text(cfg: Mapping[str, Any]) -> Task:
         num_classes=2,
         seq_len=seq_len,
         is_pair=False,
-        batch_size=_config.positive_int(cfg, "batch_size", 32),
+        batch_size=config_keys.positive_int(cfg, "batch_size", 32),
         seed=int(cfg.get("seed") or 0),
         info={"source": "tfds imdb_reviews", "tfds_data_dir": str(data_dir)},
     )
@@ -177,8 +177,8 @@ def image_example(downsample: int):
 
 def build_image(cfg: Mapping[str, Any]) -> Task:
     """Image (grayscale CIFAR-10) ``Task``; see the module docstring."""
-    variant = _config.variant(cfg)
-    downsample = _config.positive_int(cfg, "downsample", 2 if variant == "mini" else 1)
+    variant = config_keys.variant(cfg)
+    downsample = config_keys.positive_int(cfg, "downsample", 2 if variant == "mini" else 1)
     if 32 % downsample:
         raise ValueError(f"downsample must divide 32, got {downsample}")
     seq_len = (32 // downsample) ** 2
@@ -211,7 +211,7 @@ def build_image(cfg: Mapping[str, Any]) -> Task:
         num_classes=10,
         seq_len=seq_len,
         is_pair=False,
-        batch_size=_config.positive_int(cfg, "batch_size", 32),
+        batch_size=config_keys.positive_int(cfg, "batch_size", 32),
         seed=int(cfg.get("seed") or 0),
         info={
             "source": "tfds cifar10",

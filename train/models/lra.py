@@ -1,4 +1,4 @@
-"""LRA models built from the Flax Linen attention module: encoder classifier and dual encoder.
+"""LRA models (`train.models.layers.Block` stacks): encoder classifier and dual encoder.
 
 The encoder (LRA's ``TransformerEncoder``, pre-LN)::
 
@@ -32,88 +32,18 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
-import numpy as np
 
-from linattn_jax.linen import MultiHeadAttention
+from .layers import (
+    Block,
+    attention_config_pairs,
+    compute_dtype,
+    dense,
+    layer_norm,
+    sinusoidal_positions,
+)
 
 POOLINGS = ("cls", "mean", "first")
 POS_EMBS = ("learned", "sinusoidal")
-
-
-def _dense(features, name, axes, dtype=None, **kw):
-    return nn.Dense(
-        features,
-        name=name,
-        dtype=dtype,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[-1:]),
-        **kw,
-    )
-
-
-def _layer_norm(name=None, dtype=None):
-    return nn.LayerNorm(
-        name=name,
-        dtype=dtype,
-        scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
-    )
-
-
-def sinusoidal_positions(length: int, features: int) -> np.ndarray:
-    """Fixed ``[length, features]`` sin/cos position table (Vaswani et al. 2017)."""
-    pos = np.arange(length, dtype=np.float32)[:, None]
-    rate = np.exp(-np.log(10_000.0) * np.arange(0, features, 2, dtype=np.float32) / features)
-    table = np.zeros((length, features), np.float32)
-    table[:, 0::2] = np.sin(pos * rate[None, :])
-    table[:, 1::2] = np.cos(pos * rate[None, : features // 2])
-    return table
-
-
-class MlpBlock(nn.Module):
-    """``Dense(mlp_dim) -> gelu -> dropout -> Dense(E) -> dropout``: ``[B, T, E] -> [B, T, E]``."""
-
-    mlp_dim: int
-    dropout_rate: float = 0.0
-    dtype: Any = None
-
-    @nn.compact
-    def __call__(self, x, *, deterministic: bool):
-        features = x.shape[-1]
-        y = _dense(self.mlp_dim, "wi", ("embed", "mlp"), self.dtype)(x)
-        y = nn.gelu(y)
-        y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
-        y = _dense(features, "wo", ("mlp", "embed"), self.dtype)(y)
-        return nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
-
-
-class EncoderBlock(nn.Module):
-    """Pre-LN block: ``x + Drop(MHA(LN(x)))`` then ``x + MLP(LN(x))``; ``[B, T, E]``."""
-
-    num_heads: int
-    qkv_dim: int
-    mlp_dim: int
-    attention: str
-    attention_config: Any = ()
-    dropout_rate: float = 0.0
-    dtype: Any = None
-
-    @nn.compact
-    def __call__(self, x, mask, *, deterministic: bool):
-        y = _layer_norm("ln_attention", self.dtype)(x)
-        y = MultiHeadAttention(
-            num_heads=self.num_heads,
-            qkv_features=self.qkv_dim,
-            attention=self.attention,
-            attention_config=self.attention_config,
-            dtype=self.dtype,
-            name="attention",
-        )(y, mask=mask, causal=False, deterministic=deterministic)
-        x = x + nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
-        y = _layer_norm("ln_mlp", self.dtype)(x)
-        return x + MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, name="mlp")(
-            y, deterministic=deterministic
-        )
 
 
 class Encoder(nn.Module):
@@ -195,7 +125,7 @@ class Encoder(nn.Module):
         x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
 
         def block(name):
-            return EncoderBlock(
+            return Block(
                 num_heads=self.num_heads,
                 qkv_dim=self.qkv_dim,
                 mlp_dim=self.mlp_dim,
@@ -209,7 +139,7 @@ class Encoder(nn.Module):
         shared = block("block") if self.tied_layers else None
         for i in range(self.num_layers):
             x = (shared or block(f"block_{i}"))(x, mask, deterministic=deterministic)
-        x = _layer_norm("ln_final", self.dtype)(x)  # [B, T', E]
+        x = layer_norm("ln_final", self.dtype)(x)  # [B, T', E]
         if self.pooling == "mean":
             w = mask.astype(jnp.float32)[..., None]  # [B, T, 1]; the sum in float32
             return jnp.sum(x.astype(jnp.float32) * w, axis=1) / jnp.maximum(jnp.sum(w, 1), 1.0)
@@ -226,8 +156,8 @@ class ClassifierHead(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        x = nn.relu(_dense(self.mlp_dim, "hidden", ("embed", "mlp"), self.dtype)(x))
-        return _dense(self.num_classes, "logits", ("mlp", "classes"), self.dtype)(x).astype(
+        x = nn.relu(dense(self.mlp_dim, "hidden", ("embed", "mlp"), self.dtype)(x))
+        return dense(self.num_classes, "logits", ("mlp", "classes"), self.dtype)(x).astype(
             jnp.float32
         )
 
@@ -267,23 +197,6 @@ class DualEncoderClassifier(nn.Module):
         )(feats)
 
 
-def attention_config_pairs(config) -> tuple:
-    """The mechanism config as hashable sorted ``(key, value)`` pairs (tuples for lists)."""
-    raw = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in raw.items()))
-
-
-def compute_dtype(config):
-    """``config.model.dtype`` (``"float32"`` or ``"bfloat16"``) as a dtype.
-
-    float16 is refused: it needs loss scaling, which the training loop does not do.
-    """
-    name = str(config.model.get("dtype", "float32"))
-    if name not in ("float32", "bfloat16"):
-        raise ValueError(f"model.dtype must be 'float32' or 'bfloat16', got {name!r}")
-    return jnp.dtype(name)
-
-
 def build_encoder(config, *, vocab_size: int, max_len: int) -> Encoder:
     """The ``Encoder`` described by ``config.model`` / ``config.attention``."""
     m = config.model
@@ -317,11 +230,9 @@ __all__ = [
     "ClassifierHead",
     "DualEncoderClassifier",
     "Encoder",
-    "EncoderBlock",
     "EncoderClassifier",
-    "MlpBlock",
+    "POOLINGS",
+    "POS_EMBS",
     "build_classifier",
     "build_encoder",
-    "compute_dtype",
-    "sinusoidal_positions",
 ]
