@@ -386,135 +386,58 @@ def _attend(
     )
 
 
-def attention_s(
-    q,
-    k,
-    v,
-    params,
-    rng=None,
-    *,
-    mask=None,
-    causal=False,
-    deterministic=False,
-    chunk_size=64,
-    learn_frequencies=True,
-    qk_radius=QK_RADIUS,
-):
-    """``flexformer_s`` attention ``[B, Tq, H, Dv]``; `rng` and `deterministic` are unused.
+def _attention_fn(name: str, *, quadratic: bool, doc: str):
+    """One public attention function of `name` (the linear form, or with `quadratic` the
+    naive one); the registry reads its keyword-only config from this explicit signature."""
+
+    def attention(
+        q,
+        k,
+        v,
+        params,
+        rng=None,
+        *,
+        mask=None,
+        causal=False,
+        deterministic=False,
+        chunk_size=64,
+        learn_frequencies=True,
+        qk_radius=QK_RADIUS,
+    ):
+        del rng, deterministic
+        return _attend(
+            name, q, k, v, params, mask, causal, chunk_size, learn_frequencies, quadratic, qk_radius
+        )
+
+    fn_name = ("reference_" if quadratic else "attention_") + name[-1]
+    attention.__name__ = attention.__qualname__ = fn_name
+    attention.__doc__ = doc
+    return attention
+
+
+attention_s = _attention_fn(
+    "flexformer_s",
+    quadratic=False,
+    doc="""``flexformer_s`` attention ``[B, Tq, H, Dv]``; `rng` and `deterministic` are unused.
 
     ``out_i = phi~(q_i)^T S / phi~(q_i)^T z`` with ``S = sum_j phi~(k_j) v_j^T``,
     ``z = sum_j phi~(k_j)`` over unmasked keys (``j <= i`` when causal, chunked
     with `chunk_size`). ``learn_frequencies=False`` stops gradients to ``omega``.
-    """
-    del rng, deterministic
-    return _attend(
-        "flexformer_s",
-        q,
-        k,
-        v,
-        params,
-        mask,
-        causal,
-        chunk_size,
-        learn_frequencies,
-        False,
-        qk_radius,
-    )
-
-
-def reference_s(
-    q,
-    k,
-    v,
-    params,
-    rng=None,
-    *,
-    mask=None,
-    causal=False,
-    deterministic=False,
-    chunk_size=64,
-    learn_frequencies=True,
-    qk_radius=QK_RADIUS,
-):
-    """The naive quadratic form of `attention_s` (same features)."""
-    del rng, deterministic
-    return _attend(
-        "flexformer_s",
-        q,
-        k,
-        v,
-        params,
-        mask,
-        causal,
-        chunk_size,
-        learn_frequencies,
-        True,
-        qk_radius,
-    )
-
-
-def attention_n(
-    q,
-    k,
-    v,
-    params,
-    rng=None,
-    *,
-    mask=None,
-    causal=False,
-    deterministic=False,
-    chunk_size=64,
-    learn_frequencies=True,
-    qk_radius=QK_RADIUS,
-):
-    """``flexformer_n`` attention ``[B, Tq, H, Dv]``; as `attention_s` with the paired
+    """,
+)
+reference_s = _attention_fn(
+    "flexformer_s", quadratic=True, doc="The naive quadratic form of `attention_s` (same features)."
+)
+attention_n = _attention_fn(
+    "flexformer_n",
+    quadratic=False,
+    doc="""``flexformer_n`` attention ``[B, Tq, H, Dv]``; as `attention_s` with the paired
     features. ``learn_frequencies=False`` stops gradients to ``omega1``, ``omega2`` (``tau``
-    stays learnable)."""
-    del rng, deterministic
-    return _attend(
-        "flexformer_n",
-        q,
-        k,
-        v,
-        params,
-        mask,
-        causal,
-        chunk_size,
-        learn_frequencies,
-        False,
-        qk_radius,
-    )
-
-
-def reference_n(
-    q,
-    k,
-    v,
-    params,
-    rng=None,
-    *,
-    mask=None,
-    causal=False,
-    deterministic=False,
-    chunk_size=64,
-    learn_frequencies=True,
-    qk_radius=QK_RADIUS,
-):
-    """The naive quadratic form of `attention_n` (same features)."""
-    del rng, deterministic
-    return _attend(
-        "flexformer_n",
-        q,
-        k,
-        v,
-        params,
-        mask,
-        causal,
-        chunk_size,
-        learn_frequencies,
-        True,
-        qk_radius,
-    )
+    stays learnable).""",
+)
+reference_n = _attention_fn(
+    "flexformer_n", quadratic=True, doc="The naive quadratic form of `attention_n` (same features)."
+)
 
 
 def _fixed_s(*, learn_frequencies=True):

@@ -480,26 +480,53 @@ def _heads(x):
     return jnp.swapaxes(x, 1, 2)  # [B, T, H, d] <-> [B, H, T, d]
 
 
-def lara_attention(
-    q,
-    k,
-    v,
-    params,
-    rng=None,
-    *,
-    mask=None,
-    causal=False,
-    deterministic=False,
-    num_landmarks=64,
-    num_samples=1,
-    proposal="mean",
-    grid=None,
-    antithetic=False,
-    mis="opt",
-    alpha_coeff=1.0,
-    noise_scale=None,
-    mixed=False,
-):
+def _lara_public(body):
+    """The public signature around ``body(q, k, v, mask, t, cfg)``: checks the inputs and
+    draws the terms (`_lara_terms`) once for `lara_attention` and its oracle alike. The
+    registry reads the keyword-only config from this explicit signature."""
+
+    def attention(
+        q,
+        k,
+        v,
+        params,
+        rng=None,
+        *,
+        mask=None,
+        causal=False,
+        deterministic=False,
+        num_landmarks=64,
+        num_samples=1,
+        proposal="mean",
+        grid=None,
+        antithetic=False,
+        mis="opt",
+        alpha_coeff=1.0,
+        noise_scale=None,
+        mixed=False,
+    ):
+        cfg = _Cfg(
+            num_landmarks,
+            num_samples,
+            proposal,
+            grid,
+            antithetic,
+            mis,
+            alpha_coeff,
+            noise_scale,
+            mixed,
+        )
+        _check_lara(q, k, v, params, mask, causal, rng, deterministic, cfg)
+        t = _lara_terms(q, k, params, rng, mask, deterministic, cfg)
+        return body(q, k, v, mask, t, cfg)
+
+    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+        setattr(attention, attr, getattr(body, attr))
+    return attention
+
+
+@_lara_public
+def lara_attention(q, k, v, mask, t, cfg):
     """Linear randomized attention (LARA), ``[B, Tq, H, Dv]`` in q's dtype. O(C (Tq + Tk) d).
 
     C = `num_landmarks` Gaussian proposals ``g_c = N(mu_c, I)``, ``mu_c = q~_c + k~_c``
@@ -570,19 +597,6 @@ def lara_attention(
       noise_scale: std of the sampling noise in the scaled space; None = ``d ** -0.25``.
       mixed: mix the key landmarks by a softmax over their logits (official "-mixed").
     """
-    cfg = _Cfg(
-        num_landmarks,
-        num_samples,
-        proposal,
-        grid,
-        antithetic,
-        mis,
-        alpha_coeff,
-        noise_scale,
-        mixed,
-    )
-    _check_lara(q, k, v, params, mask, causal, rng, deterministic, cfg)
-    t = _lara_terms(q, k, params, rng, mask, deterministic, cfg)
     qh, kh, v32 = _heads(t["qh"]), _heads(t["kh"]), _heads(v.astype(_f32))  # [B, H, T, .]
     omega, mu = _heads(t["omega"]), _heads(t["mu"])  # [B, H, N, d], [B, H, L, d]
     masked = mask is not None
@@ -613,8 +627,8 @@ def lara_attention(
     else:
         log_bh = log_g_own - jax.nn.logsumexp(log_g, axis=-1, keepdims=True)
     alpha = jnp.exp(log_bh)  # [B, H, N, 1]
-    if mis == "opt":
-        alpha = alpha + alpha_coeff * _query_correction(qh, _heads(t["q_bar"]), t, masked)
+    if cfg.mis == "opt":
+        alpha = alpha + cfg.alpha_coeff * _query_correction(qh, _heads(t["q_bar"]), t, masked)
 
     # Queries: log p~_n(omega_t) - log g_own, up to the per-query constant -|q^_n|^2 / 2.
     s = jnp.einsum("bhnd,bhqd->bhnq", omega, qh) + (lse_k - log_g_own)  # [B, H, N, Tq]
@@ -649,26 +663,8 @@ def _query_correction(qh, q_bar, t, masked):
     return corr if t["per"] == 1 else corr[:, :, t["term_c"]]
 
 
-def lara_reference(
-    q,
-    k,
-    v,
-    params,
-    rng=None,
-    *,
-    mask=None,
-    causal=False,
-    deterministic=False,
-    num_landmarks=64,
-    num_samples=1,
-    proposal="mean",
-    grid=None,
-    antithetic=False,
-    mis="opt",
-    alpha_coeff=1.0,
-    noise_scale=None,
-    mixed=False,
-):
+@_lara_public
+def lara_reference(q, k, v, mask, t, cfg):
     """Straightforward LARA with the same landmarks and draws (the oracle of `lara_attention`).
 
     Materialises the ``[B, H, Tq, N, Tk]`` joint log-density ``log xi(q^_n, omega) +
@@ -676,19 +672,6 @@ def lara_reference(
     |omega|^2/2`` for g_c, linear-space balance-heuristic ratios, and the estimate
     as an explicit ratio ``sum_t W_nt f_t / sum_t W_nt``.
     """
-    cfg = _Cfg(
-        num_landmarks,
-        num_samples,
-        proposal,
-        grid,
-        antithetic,
-        mis,
-        alpha_coeff,
-        noise_scale,
-        mixed,
-    )
-    _check_lara(q, k, v, params, mask, causal, rng, deterministic, cfg)
-    t = _lara_terms(q, k, params, rng, mask, deterministic, cfg)
     qh, kh, omega, mu = t["qh"], t["kh"], t["omega"], t["mu"]
     b, tq, h, _ = q.shape
     tk = k.shape[1]
@@ -726,7 +709,7 @@ def lara_reference(
     )  # [B, H, N]
 
     alpha = jnp.broadcast_to(bh[:, :, None, :], (b, h, tq, n_terms))
-    if mis == "opt":
+    if cfg.mis == "opt":
         qv = t["q_valid"]
         cv = t["valid_c"]
         logits = jnp.einsum("bnhd,bchd->bhnc", qh, t["q_bar"])
@@ -737,7 +720,7 @@ def lara_reference(
             jnp.sum(r, axis=-1, keepdims=True)
             / jnp.maximum(jnp.sum(cv, -1), 1)[:, None, None, None]
         )
-        alpha = alpha + alpha_coeff * jnp.take(r - r_mean, t["term_c"], axis=-1)
+        alpha = alpha + cfg.alpha_coeff * jnp.take(r - r_mean, t["term_c"], axis=-1)
     log_w = jnp.log(jnp.maximum(alpha, ALPHA_FLOOR)) + log_p - log_g_own[:, :, None, :]
     tv = t["term_valid"][:, None, None, :]
     log_w = jnp.where(tv, log_w, -jnp.inf)
