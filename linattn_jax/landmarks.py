@@ -33,6 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 def _segments(rank, n, m):
@@ -185,4 +186,80 @@ def landmarks(x, m: int, *, mask=None, grid=None):
     return sums / jnp.maximum(counts, 1.0)[..., None, None], counts > 0
 
 
-__all__ = ["assignment", "landmarks", "num_landmarks", "segment_means"]
+def partial_sums(
+    x, m: int, seq_len: int, offset, *, mask=None, rank_offset=None, n_valid=None, grid=None
+):
+    """One shard's partial landmark sums: ``(sums [B, L, H, D] float32, counts [B, L])``.
+
+    `x` ``[B, Ts, H, D]`` holds the positions ``offset .. offset + Ts - 1`` of a sequence of
+    `seq_len` tokens (`offset` may be traced); ``L = num_landmarks(seq_len, m, grid)``. The
+    tokens go to the segments of the whole sequence (module docstring), so summing `sums`
+    and `counts` over the shards and dividing (`from_sums`) gives `landmarks` of the whole
+    sequence. With a 1-D `mask` ``[B, Ts]`` the segment of a token depends on its rank among
+    the unmasked tokens of the sequence: pass `rank_offset` ``[B]``, the unmasked tokens on
+    the shards before this one, and `n_valid` ``[B]``, those of the whole sequence.
+    """
+    b, ts = x.shape[:2]
+    n_slots = num_landmarks(seq_len, m, grid)
+    pos = offset + jnp.arange(ts)
+    if grid is not None:
+        h, w = grid
+        gh = min(math.isqrt(m), h)
+        gw = n_slots // gh
+        img = pos - (seq_len - h * w)
+        seg = jnp.where(img >= 0, (img // w * gh) // h * gw + (img % w * gw) // w, n_slots)
+        seg = jnp.broadcast_to(seg[None], (b, ts))
+    elif mask is None:
+        seg = jnp.broadcast_to(((pos * n_slots) // seq_len)[None], (b, ts))
+    else:
+        if rank_offset is None or n_valid is None:
+            raise ValueError("partial_sums: a 1-D mask needs rank_offset and n_valid")
+        rank = rank_offset[:, None] + jnp.cumsum(mask, axis=-1) - 1
+        n = n_valid[:, None]
+        seg = _segments(rank, n, jnp.minimum(n_slots, n))
+    ones = jnp.ones((b, ts), jnp.float32)
+    if mask is not None:
+        seg = jnp.where(mask, seg, n_slots)  # masked tokens go to the dropped slot n_slots
+
+    def row(xb, wb, ids):
+        sums = jax.ops.segment_sum(xb, ids, num_segments=n_slots + 1)[:n_slots]
+        return sums, jax.ops.segment_sum(wb, ids, num_segments=n_slots + 1)[:n_slots]
+
+    return jax.vmap(row)(x.astype(jnp.float32), ones, seg)
+
+
+def from_sums(sums, counts):
+    """``(landmarks, landmark_mask)`` from (summed) `partial_sums`."""
+    return sums / jnp.maximum(counts, 1.0)[..., None, None], counts > 0
+
+
+def sharded_landmarks(x, m: int, axis: str, *, mask=None, grid=None):
+    """`landmarks` of a sequence split along T over the mesh axis `axis` (inside
+    ``shard_map``; `x` ``[B, T / n, H, D]`` is this device's contiguous part, in axis
+    order). Each device sums its tokens into the global segments (`partial_sums`); only the
+    ``[B, L, H, D]`` sums and ``[B, L]`` counts (and, with a mask, each device's count of
+    unmasked tokens) cross devices. Returns the same ``(landmarks, landmark_mask)`` on every
+    device."""
+    ts = x.shape[1]
+    n = lax.axis_size(axis)
+    me = lax.axis_index(axis)
+    rank_offset = n_valid = None
+    if mask is not None and grid is None:
+        per = lax.all_gather(jnp.sum(mask, axis=-1), axis)  # [n, B]
+        n_valid = jnp.sum(per, axis=0)
+        rank_offset = jnp.sum(jnp.where((jnp.arange(n) < me)[:, None], per, 0), axis=0)
+    sums, counts = partial_sums(
+        x, m, ts * n, me * ts, mask=mask, rank_offset=rank_offset, n_valid=n_valid, grid=grid
+    )
+    return from_sums(lax.psum(sums, axis), lax.psum(counts, axis))
+
+
+__all__ = [
+    "assignment",
+    "from_sums",
+    "landmarks",
+    "num_landmarks",
+    "partial_sums",
+    "segment_means",
+    "sharded_landmarks",
+]

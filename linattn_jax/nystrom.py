@@ -111,7 +111,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import kernels
-from linattn_jax import _checks, core
+from linattn_jax import _checks, _seq, core
 from linattn_jax import landmarks as lm
 from linattn_jax.registry import Mechanism, register
 
@@ -130,26 +130,28 @@ _IMPLS = ("auto", "xla", "pallas")
 
 # --------------------------------------------------------------------------- kernels kappa
 # Each kappa takes x [B, H, N, D], y [B, H, M, D] (float32) and a column mask
-# [B, M] and returns [B, H, N, M] float32 with the masked columns zero.
+# [B, M] and returns [B, H, N, M] float32 with the masked columns zero. `axis`: the
+# columns are this device's part of a sequence split over that mesh axis (`_seq`).
 
 
-def _softmax_kappa(x, y, col_valid):
+def _softmax_kappa(x, y, col_valid, axis=None):
     """Row softmax of ``x y^T`` over the unmasked columns (x, y already scaled by d^-1/4)."""
     logits = jnp.einsum("bhnd,bhmd->bhnm", x, y)
     valid = col_valid[:, None, None, :]
-    mx = core.masked_max(logits, valid, axis=-1)
-    e = jnp.where(valid, jnp.exp(jnp.where(valid, logits - lax.stop_gradient(mx), 0.0)), 0.0)
-    den = jnp.sum(e, axis=-1, keepdims=True)
+    mx = _seq.masked_max(logits, valid, -1, axis)
+    e = jnp.where(valid, jnp.exp(jnp.where(valid, logits - mx, 0.0)), 0.0)
+    den = _seq.psum(jnp.sum(e, axis=-1, keepdims=True), axis)
     return e / jnp.where(den > 0, den, 1.0)
 
 
-def _gaussian_kappa(x, y, col_valid):
+def _gaussian_kappa(x, y, col_valid, axis=None):
     """``exp(-|x - y|^2 / 2)`` (x, y already scaled by d^-1/4)."""
     sq = (
         jnp.sum(x * x, axis=-1)[..., :, None]
         + jnp.sum(y * y, axis=-1)[..., None, :]
         - 2.0 * jnp.einsum("bhnd,bhmd->bhnm", x, y)
     )
+    del axis  # entrywise
     # Rounding can make the expanded squared distance slightly negative.
     return jnp.exp(-0.5 * jnp.maximum(sq, 0.0)) * col_valid[:, None, None, :]
 
@@ -157,7 +159,8 @@ def _gaussian_kappa(x, y, col_valid):
 def _laplace_kappa(lam, impl, interpret):
     """``exp(-|x - y|_1 / lam_h)`` with lam ``[H]`` (`kernels.laplace_kernel`, exp fused)."""
 
-    def kappa(x, y, col_valid):
+    def kappa(x, y, col_valid, axis=None):
+        del axis  # entrywise
         k = kernels.laplace_kernel(x, y, lam, impl=impl, interpret=interpret)  # lam: [H]
         return k * col_valid[:, None, None, :]
 
@@ -218,11 +221,14 @@ def _inverter(inverse: str, family: str, ns_iters: int, eps: float, impl: str, i
 # --------------------------------------------------------------------------- the shared core
 
 
-def _landmarks(x, m, mask, grid, n_slots):
+def _landmarks(x, m, mask, grid, n_slots, axis=None):
     """Segment-mean landmarks ``[B, H, n_slots, D]`` and validity ``[B, n_slots]`` (slots past
     the sequence's own count zero-padded and invalid), without a one-hot assignment matrix
-    (`linattn_jax.landmarks.landmarks`)."""
-    x_lm, valid = lm.landmarks(x, m, mask=mask, grid=grid)
+    (`linattn_jax.landmarks.landmarks`; `landmarks.sharded_landmarks` over `axis`)."""
+    if axis is None:
+        x_lm, valid = lm.landmarks(x, m, mask=mask, grid=grid)
+    else:
+        x_lm, valid = lm.sharded_landmarks(x, m, axis, mask=mask, grid=grid)
     pad = n_slots - x_lm.shape[1]
     if pad:
         x_lm = jnp.pad(x_lm, ((0, 0), (0, pad), (0, 0), (0, 0)))
@@ -234,12 +240,13 @@ def _heads_first(x):
     return jnp.swapaxes(x, 1, 2)  # [B, T, H, D] <-> [B, H, T, D]
 
 
-def _whiten(c, qmask):
-    """Per-landmark-coordinate whitening of ``c [B, H, Tq, L]`` over the unmasked queries."""
+def _whiten(c, qmask, axis=None):
+    """Per-landmark-coordinate whitening of ``c [B, H, Tq, L]`` over the unmasked queries
+    (of the whole sequence: with `axis`, the sums run over its devices too)."""
     w = qmask[:, None, :, None].astype(_f32)
-    n = jnp.maximum(jnp.sum(w, axis=2, keepdims=True), 1.0)
-    mean = jnp.sum(c * w, axis=2, keepdims=True) / n
-    var = jnp.sum(jnp.square(c - mean) * w, axis=2, keepdims=True) / n
+    n = jnp.maximum(_seq.psum(jnp.sum(w, axis=2, keepdims=True), axis), 1.0)
+    mean = _seq.psum(jnp.sum(c * w, axis=2, keepdims=True), axis) / n
+    var = _seq.psum(jnp.sum(jnp.square(c - mean) * w, axis=2, keepdims=True), axis) / n
     return (c - mean) * lax.rsqrt(var + WHITEN_EPS)
 
 
@@ -270,14 +277,15 @@ def _local_matrix(local_w, tk, grid):
     return jnp.moveaxis(jnp.where(near[..., None], taps, 0.0), -1, 0)
 
 
-def _local_branch(local_w, vh, grid):
+def _local_branch(local_w, vh, grid, axis=None):
     """Depthwise convolution of ``vh [B, H, Tk, Dv]`` (masked keys already zero), one filter
-    per head: ``local_w [w, H]`` along the sequence or ``[w, w, H]`` over the grid."""
+    per head: ``local_w [w, H]`` along the sequence or ``[w, w, H]`` over the grid. With
+    `axis` (1-D only), the rows past this device's ends come from its neighbours."""
     r = local_w.shape[0] // 2
     b, h, t, dv = vh.shape
     out = jnp.zeros_like(vh)
     if grid is None:
-        vp = jnp.pad(vh, ((0, 0), (0, 0), (r, r), (0, 0)))
+        vp = _seq.halo(vh, r, 2, axis)
         for (o,) in _local_taps(local_w.shape[0], None):
             out = out + local_w[o + r][None, :, None, None] * vp[:, :, o + r : o + r + t]
         return out
@@ -294,7 +302,7 @@ def _local_branch(local_w, vh, grid):
 
 def _nystrom(
     qx, kx, v, mask, kappa, invert, *, num_landmarks, grid, normalize, output,
-    shared_landmarks=False, local_w=None,
+    shared_landmarks=False, local_w=None, axis=None,
 ):  # fmt: skip
     """The shared Nystrom core.
 
@@ -312,6 +320,11 @@ def _nystrom(
         ``A = kappa(K~, K~)``, ``C_k = kappa(K~, K)`` (symmetric A); else
         ``A = kappa(Q~, K~)``, ``C_k = kappa(Q~, K)``.
       local_w: optional local-branch filters ``[w, H]`` / ``[w, w, H]`` (self-attention only).
+      axis: optional mesh axis (inside ``shard_map``, ``output="linear"`` only) over which q,
+        k, v and mask are split along T, each device holding a contiguous part in axis
+        order: the landmarks, the sums over keys (``C_k V``, ``C_k 1``, the key softmax of
+        nystromformer) and the whitening statistics are reduced over its devices, the local
+        branch (1-D) exchanges its edge rows; nothing T-long crosses devices.
 
     Returns:
       ``[B, Tq, H, Dv]`` float32, or the weights for ``output="weights"``.
@@ -320,15 +333,16 @@ def _nystrom(
     tk = kx.shape[1]
     kmask = core.key_mask(mask, tk, b)
     qmask = mask if (mask is not None and tq == tk) else jnp.ones((b, tq), bool)
-    n_slots = lm.num_landmarks(tk, num_landmarks, grid)
+    shards = 1 if axis is None else lax.axis_size(axis)
+    n_slots = lm.num_landmarks(tk * shards, num_landmarks, grid)
     if not shared_landmarks:
-        n_slots = max(n_slots, lm.num_landmarks(tq, num_landmarks, grid))
-    k_lm, valid = _landmarks(kx, num_landmarks, mask, grid, n_slots)  # [B, H, L, D]
+        n_slots = max(n_slots, lm.num_landmarks(tq * shards, num_landmarks, grid))
+    k_lm, valid = _landmarks(kx, num_landmarks, mask, grid, n_slots, axis)  # [B, H, L, D]
     if shared_landmarks:
         left = k_lm
     else:
         q_only = mask if (mask is not None and tq == tk) else None
-        left, valid_q = _landmarks(qx, num_landmarks, q_only, grid, n_slots)
+        left, valid_q = _landmarks(qx, num_landmarks, q_only, grid, n_slots, axis)
         valid = valid & valid_q  # a slot is valid when both its landmarks are
     qh, kh = _heads_first(qx), _heads_first(kx)
 
@@ -343,14 +357,16 @@ def _nystrom(
     eye = jnp.eye(n_slots, dtype=bool)[None, None]
     diag = jnp.max(jnp.where(eye & row_valid, a, 0.0), axis=(-2, -1), keepdims=True)
     a = jnp.where(eye & ~row_valid, jnp.where(diag > 0, diag, 1.0), a)
-    c_k = kappa(left, kh, kmask) * row_valid  # [B, H, L, Tk]
+    c_k = kappa(left, kh, kmask, axis) * row_valid  # [B, H, L, Tk]
     a_inv = invert(a)
 
-    feats = _whiten(c_q, qmask) if normalize == "injective" else c_q
+    feats = _whiten(c_q, qmask, axis) if normalize == "injective" else c_q
     vh = _heads_first(v.astype(_f32)) * kmask[:, None, :, None]  # [B, H, Tk, Dv]
     local = local_w is not None and tq == tk
 
     if output != "linear":
+        if axis is not None:
+            raise ValueError(f"output={output!r} materialises Tq x Tk: not over a mesh axis")
         w = feats @ (a_inv @ c_k)  # [B, H, Tq, Tk]: the materialised estimate
         kcol = kmask[:, None, None, :]
         if normalize == "row":
@@ -362,13 +378,13 @@ def _nystrom(
             return w
         return _heads_first(w @ vh)
 
-    out = feats @ (a_inv @ (c_k @ vh))  # C_k V first: [B, H, L, Dv]
+    out = feats @ (a_inv @ _seq.psum(c_k @ vh, axis))  # C_k V first: [B, H, L, Dv]
     if normalize == "row":
-        r = jnp.sum(c_k, axis=-1)  # [B, H, L]: C_k 1
+        r = _seq.psum(jnp.sum(c_k, axis=-1), axis)  # [B, H, L]: C_k 1
         den = jnp.einsum("bhtl,bhl->bht", feats, jnp.einsum("bhlm,bhm->bhl", a_inv, r))
         out = out / core.guard_denominator(den)[..., None]
     if local:
-        out = out + _local_branch(local_w, vh, grid)
+        out = out + _local_branch(local_w, vh, grid, axis)
     return _heads_first(out)
 
 
@@ -411,7 +427,9 @@ def _check_impl(name, impl):
 _NF = "nystromformer"
 
 
-def _nystromformer(q, k, v, mask, causal, num_landmarks, ns_iters, grid, inverse, output):
+def _nystromformer(
+    q, k, v, mask, causal, num_landmarks, ns_iters, grid, inverse, output, axis=None
+):  # fmt: skip
     _checks.check_inputs(_NF, q, k, v, mask, causal=causal)
     _checks.check_causal_supported(_NF, causal)
     _check_config(_NF, num_landmarks=num_landmarks, ns_iters=ns_iters, grid=grid, inverse=inverse)
@@ -428,6 +446,7 @@ def _nystromformer(q, k, v, mask, causal, num_landmarks, ns_iters, grid, inverse
         grid=grid,
         normalize="none",
         output=output,
+        axis=axis,
     )
 
 
@@ -504,7 +523,7 @@ _SOFT_NORMALIZE = ("none", "row")
 
 def _soft(
     q, k, v, mask, causal, num_landmarks, ns_iters, eps, grid, inverse, normalize, tie_qk,
-    impl, interpret, output,
+    impl, interpret, output, axis=None,
 ):  # fmt: skip
     _checks.check_inputs(_SOFT, q, k, v, mask, causal=causal)
     _checks.check_causal_supported(_SOFT, causal)
@@ -542,6 +561,7 @@ def _soft(
         grid=grid,
         normalize=normalize,
         output=output,
+        axis=axis,
     )
 
 
@@ -709,7 +729,7 @@ def _check_local_window(local_window):
 
 def _laplacian(
     q, k, v, params, mask, causal, num_landmarks, ns_iters, eps, lam, grid, inverse, normalize,
-    local_window, shared_landmarks, impl, interpret, output,
+    local_window, shared_landmarks, impl, interpret, output, axis=None,
 ):  # fmt: skip
     _checks.check_inputs(_LAP, q, k, v, mask, causal=causal)
     _checks.check_causal_supported(_LAP, causal)
@@ -758,6 +778,7 @@ def _laplacian(
         output=output,
         shared_landmarks=shared_landmarks,
         local_w=params["local"].astype(_f32) if local_window else None,
+        axis=axis,
     )
 
 

@@ -16,7 +16,20 @@ T-long tensor of another device:
   every device folds those of the devices before it (`linattn_jax.core.combine_states`:
   decays such as rfa's gate and the key log-scales of performer and flexformer carried
   exactly) into the initial state of its own chunked causal pass.
-* Every other mechanism raises `NotImplementedError` naming the supported ones.
+* **The Nystrom family** (nystromformer, soft, laplacian; non-causal): each device sums its
+  tokens into the landmark segments of the whole sequence
+  (`linattn_jax.landmarks.sharded_landmarks`: the same segments as the one-device call,
+  also where a device boundary splits a segment or a padding mask moves them) and the
+  ``[B, m, H, D]`` sums and ``[B, m]`` counts are summed over the axis; every device then
+  builds the same ``m x m`` matrix and inverse. The key-side products ``C_k V`` (``[B, H,
+  m, Dv]``) and ``C_k 1``, nystromformer's key softmax (its max and normaliser) and
+  laplacian's whitening statistics (mean, then variance, over the valid queries of the
+  sequence) are summed over the axis; laplacian's 1-D local branch takes its window's
+  ``(w - 1) / 2`` edge rows from the neighbouring devices (``ppermute``), so each device
+  must hold at least that many tokens. ``grid`` (2-D landmarks and local branch) is not
+  supported (`NotImplementedError`): image sequences are short.
+* Every other mechanism (softmax, ra; causal calls of the non-causal ones) raises an error
+  naming the supported ones.
 
 The result equals ``mechanism.attention`` on one device to float32 rounding, gradients
 included (tests/test_parallel.py). Random features (performer, rfa) are drawn once from
@@ -26,6 +39,7 @@ included (tests/test_parallel.py). Random features (performer, rfa) are drawn on
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 
 import jax
@@ -33,14 +47,26 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from linattn_jax import core, registry
+from linattn_jax import core, nystrom, registry
 
 _f32 = jnp.float32
 
 
+#: Non-causal mechanisms whose sums over the sequence take a mesh axis, by name: the
+#: private core each public function wraps (called with keywords and ``axis``).
+_REDUCING = {
+    "nystromformer": nystrom._nystromformer,
+    "soft": nystrom._soft,
+    "laplacian": nystrom._laplacian,
+}
+
+
 def supported_names() -> list[str]:
-    """Mechanisms that `sequence_parallel` accepts (the feature-map ones)."""
-    return [n for n in registry.names() if registry.get(n).feature_map is not None]
+    """Mechanisms that `sequence_parallel` accepts (the feature-map ones, the Nystrom family
+    and LARA)."""
+    return [
+        n for n in registry.names() if registry.get(n).feature_map is not None or n in _REDUCING
+    ]
 
 
 def _check_mesh(mesh: Mesh, axis: str, batch_axes: Sequence[str]) -> None:
@@ -129,6 +155,26 @@ def _feature_map_body(fmap, causal, chunk_size, axis):
     return body
 
 
+def _reducing_body(mechanism, causal, config, axis):
+    """The body of a Nystrom-family mechanism: its core with ``axis`` (`nystrom._nystrom`)."""
+    fn = _REDUCING[mechanism.name]
+    cfg = {**mechanism.defaults, **config}
+    if cfg.get("grid") is not None:
+        raise NotImplementedError(
+            f"sequence_parallel: {mechanism.name!r} with grid={cfg['grid']!r} (2-D landmarks) "
+            "is not supported; image sequences fit on one device"
+        )
+    wanted = inspect.signature(fn).parameters
+    cfg = {key: val for key, val in cfg.items() if key in wanted}
+
+    def body(q, k, v, params, mask=None):
+        extra = {"params": params} if "params" in wanted else {}
+        out = fn(q, k, v, mask=mask, causal=causal, output="linear", axis=axis, **extra, **cfg)
+        return out.astype(q.dtype)
+
+    return body
+
+
 def sequence_parallel(
     mechanism: registry.Mechanism,
     mesh: Mesh,
@@ -153,7 +199,7 @@ def sequence_parallel(
       ValueError: the mesh has no `axis`, or (at call time) T or B do not divide.
     """
     fmap = mechanism.feature_map
-    if fmap is None:
+    if fmap is None and mechanism.name not in _REDUCING:
         raise NotImplementedError(
             f"sequence_parallel supports the feature-map mechanisms {supported_names()}; "
             f"{mechanism.name!r} is not one of them"
@@ -179,10 +225,13 @@ def sequence_parallel(
             rng,
         )
         _check_lengths(q, k, mask, mesh, axis, tuple(batch_axes))
-        fm = fmap.bind(**config)
-        resolved = fm.resolve(params, rng, deterministic=deterministic)
-        chunk_size = int({**mechanism.defaults, **config}.get("chunk_size", 64))
-        body = _feature_map_body(fm, causal, chunk_size, axis)
+        if fmap is None:
+            body, resolved = _reducing_body(mechanism, causal, config, axis), params
+        else:
+            fm = fmap.bind(**config)
+            resolved = fm.resolve(params, rng, deterministic=deterministic)
+            chunk_size = int({**mechanism.defaults, **config}.get("chunk_size", 64))
+            body = _feature_map_body(fm, causal, chunk_size, axis)
         args, specs = (q, k, v, resolved), (seq, seq, seq, PartitionSpec())
         if mask is not None:
             args, specs = (*args, mask), (*specs, seq_mask)

@@ -10,8 +10,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import linattn_jax as la
 from linattn_jax import parallel
 
-_CASES = [(n, {}, c) for n in parallel.supported_names() for c in (False, True)]
+_CAUSAL = {n: (False, True) if la.get(n).supports_causal else (False,) for n in la.names()}
+_CASES = [(n, {}, c) for n in parallel.supported_names() for c in _CAUSAL[n]]
 _CASES.append(("rfa", {"gate": True}, True))
+# Landmark segments split by the device boundaries (3 per 16 tokens); query landmarks and
+# row normalisation; laplacian's local branch over 5 taps (a halo of 2 rows).
+_CASES += [
+    ("nystromformer", {"num_landmarks": 3}, False),
+    ("soft", {"num_landmarks": 3, "normalize": "row"}, False),
+    ("laplacian", {"num_landmarks": 3, "shared_landmarks": False, "local_window": 5}, False),
+    ("laplacian", {"normalize": "row", "lam": 4.0, "local_window": 0}, False),
+]
 # Gradients on the cases that exercise each part of the combination: key log-scales
 # (performer, causal), decays (rfa's gate), the all-reduce (non-causal).
 _GRAD_CASES = [("performer", {}, True), ("rfa", {"gate": True}, True), ("hedgehog", {}, False)]
@@ -22,7 +31,8 @@ def _mesh(data=2, seq=4):
 
 
 def _setup(name, config, causal, t=16, b=2, h=2, d=8):
-    m = mech(name, chunk_size=2, **config)
+    chunk = {"chunk_size": 2} if la.get(name).feature_map is not None else {}
+    m = mech(name, **chunk, **config)
     params = init(m)
     ks = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(kk, (b, t, h, d)) for kk in ks)
