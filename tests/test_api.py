@@ -39,7 +39,7 @@ def test_the_documented_call_shape():
     q, k, v = qkv()
     m = la.get("performer").bind(num_features=64)
     params = m.init(rng, num_heads=2, head_dim=8)
-    assert params["features"].shape == (2, 64, 8)
+    assert params["features"].shape == (1, 64, 8)  # shared by the heads (the default)
     out = m.attention(q, k, v, params, rng, mask=None, causal=False, deterministic=False)
     assert out.shape == v.shape
 
@@ -49,13 +49,12 @@ def test_bind_and_defaults():
     assert m.defaults["num_features"] == 256 and m.defaults["chunk_size"] == 64
     b = m.bind(num_features=8).bind(chunk_size=4)
     assert b.defaults["num_features"] == 8 and b.defaults["chunk_size"] == 4
-    assert init(b)["features"].shape == (2, 8, 8)
+    assert init(b)["features"].shape == (1, 8, 8)
     # A call-time value overrides the bound one.
-    assert b.init(jax.random.key(0), num_heads=1, head_dim=4, num_features=3)["features"].shape == (
-        1,
-        3,
-        4,
+    params = b.init(
+        jax.random.key(0), num_heads=2, head_dim=4, num_features=3, shared_features=False
     )
+    assert params["features"].shape == (2, 3, 4)
     assert m.config == {}  # bind returns a new mechanism
 
 

@@ -84,6 +84,38 @@ def test_performer_redraws_unless_deterministic():
     np.testing.assert_allclose(d1, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_performer_shared_features_equal_per_head_copies():
+    """``[1, M, d]`` features (the default) are the per-head layout with W tiled over the
+    heads, forward and gradients; ``shared_features=False`` draws one W per head."""
+    mech = la.get("performer").bind(num_features=8)
+    q, k, v = qkv()
+    shared = init(mech)
+    assert shared["features"].shape == (1, 8, q.shape[-1])
+    per_head = init(mech.bind(shared_features=False))
+    assert per_head["features"].shape == (q.shape[2], 8, q.shape[-1])
+    assert not np.allclose(per_head["features"][0], per_head["features"][1])
+    tiled = {"features": jnp.repeat(shared["features"], q.shape[2], axis=0)}
+
+    def loss(params, q):
+        return jnp.sum(jnp.sin(mech.attention(q, k, v, params, causal=True, deterministic=True)))
+
+    for causal in (False, True):
+        a = mech.attention(q, k, v, shared, causal=causal, deterministic=True)
+        b = mech.attention(q, k, v, tiled, causal=causal, deterministic=True)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        jax.grad(loss, argnums=1)(shared, q),
+        jax.grad(loss, argnums=1)(tiled, q),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    # A stochastic call redraws the same layout.
+    drawn = performer.FEATURE_MAP.draw_fn(shared, jax.random.key(3))
+    assert drawn["features"].shape == shared["features"].shape
+    with pytest.raises(ValueError, match=r"expected \[H=2, M, d=8\] or \[1, M, d=8\]"):
+        mech.attention(q, k, v, {"features": jnp.ones((3, 8, 8))}, deterministic=True)
+
+
 def test_rfa_kernel_is_gaussian_on_the_sphere():
     """E[phi(q).phi(k)] = exp(-|sigma (q^ - k^)|^2 / 2) for unit q^, k^."""
     d, m, n = 8, 16, 3000
