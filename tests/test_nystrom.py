@@ -405,16 +405,21 @@ def test_jit_vmap_grad_checkpoint(name):
     q, k, v = _inputs(10, b=3, tq=9)
     mask = jnp.arange(9)[None, :] < jnp.array([9, 3, 0])[:, None]
     eager = mech.attention(q, k, v, params, mask=mask)
-    jitted = jax.jit(mech.attention)(q, k, v, params, mask=mask)
-    _close(jitted, eager, 1e-5, "jit vs eager")
+    jitted_call = jax.jit(lambda a, b, c: mech.attention(a, b, c, params, mask=mask))
+    _close(jitted_call(q, k, v), eager, 1e-5, "jit vs eager")
     # vmap over an extra leading axis == stacking the per-slice calls
     qs, ks, vs = (jnp.stack([x, 0.5 * x]) for x in (q, k, v))
-    batched = jax.vmap(lambda a, b, c: mech.attention(a, b, c, params, mask=mask))(qs, ks, vs)
-    _close(batched[1], mech.attention(qs[1], ks[1], vs[1], params, mask=mask), 1e-5, "vmap")
+    # (jitted: an eager vmap dispatches op by op, which costs a minute on CI)
+    batched = jax.jit(jax.vmap(lambda a, b, c: mech.attention(a, b, c, params, mask=mask)))(
+        qs, ks, vs
+    )
+    _close(batched[1], jitted_call(qs[1], ks[1], vs[1]), 1e-5, "vmap")
     _close(batched[0], eager, 1e-5, "vmap")
     # vmap over the batch (one example at a time) == the batched call: per-sequence statistics
-    per_example = jax.vmap(
-        lambda a, b, c, m: mech.attention(a[None], b[None], c[None], params, mask=m[None])[0]
+    per_example = jax.jit(
+        jax.vmap(
+            lambda a, b, c, m: mech.attention(a[None], b[None], c[None], params, mask=m[None])[0]
+        )
     )(q, k, v, mask)
     _close(per_example, eager, 1e-5, "vmap over the batch")
 
