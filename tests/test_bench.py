@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 
 import linattn_jax as la
-from train import bench, bench_peers
+from train import bench
+from train.bench import peers
 
 
 def _run(capsys, argv):
@@ -67,7 +68,7 @@ def test_scaling_smoke_every_mechanism(tmp_path, capsys, part):
             bench.SOFTMAX_XLA,
         ],
     )
-    names = bench_peers.peer_names(_part(part) + [bench.SOFTMAX_XLA])  # lara_peer after lara
+    names = peers.peer_names(_part(part) + [bench.SOFTMAX_XLA])  # lara_peer after lara
     assert result["mechanisms"] == names
     saved = json.loads(out.read_text())
     assert saved["mechanisms"] == names
@@ -177,7 +178,7 @@ def test_isolated_run_and_timeout(tmp_path, capsys):
 def test_strip_parent_flags():
     argv = ["scaling", "--mechanisms", "a", "b", "--seq-lens", "1", "2", "--quiet"]
     argv += ["--isolate", "--out=x.json", "--repeats", "3", "--plot", "p.png"]
-    assert bench._strip(argv, bench._PARENT_ONLY) == [
+    assert bench.strip_flags(argv, bench.PARENT_ONLY) == [
         "scaling",
         "--seq-lens",
         "1",
@@ -240,10 +241,10 @@ def test_crossing_cases():
 
 
 def test_predicted_time_and_merge():
-    assert bench._predict_s([], 2048, True) is None
-    assert bench._predict_s([(1024, 1.0)], 4096, True) == 16.0
-    assert bench._predict_s([(1024, 1.0)], 4096, False) == 4.0
-    assert bench._predict_s([(1024, 1.0), (2048, 1.5)], 4096, False) == 3.0  # slope >= 1
+    assert bench.predict_seconds([], 2048, True) is None
+    assert bench.predict_seconds([(1024, 1.0)], 4096, True) == 16.0
+    assert bench.predict_seconds([(1024, 1.0)], 4096, False) == 4.0
+    assert bench.predict_seconds([(1024, 1.0), (2048, 1.5)], 4096, False) == 3.0  # slope >= 1
     a = {
         "kind": "scaling",
         "environment": {},
@@ -349,3 +350,61 @@ def test_merge_model_replaces_points_and_recomputes_ratios():
     assert [p["mechanism"] for p in m["points"]] == ["softmax", "linear_elu"]
     lin = m["points"][1]
     assert lin["ratio_time"] == 0.25 and lin["ratio_memory"] == 10 / 80
+
+
+def test_report_subcommand_reads_the_json_files(tmp_path, capsys):
+    scaling = {
+        "kind": "scaling",
+        "environment": {"backend": "cpu", "cpu_count": 2, "loadavg": None},
+        "config": {
+            "modes": ["noncausal"],
+            "passes": ["fwd_bwd"],
+            "seq_lens": [64, 128],
+            "batch": 1,
+            "heads": 1,
+            "head_dim": 8,
+        },
+        "mechanisms": ["softmax", "linear_elu"],
+        "points": bench.add_ratios(
+            [_pt("softmax", t, ms, 10) for t, ms in ((64, 1.0), (128, 4.0))]
+            + [_pt("linear_elu", t, ms, 5) for t, ms in ((64, 2.0), (128, 2.0))]
+        ),
+    }
+    fidelity = {
+        "config": {"budgets": [4], "inputs": ["gaussian"], "seq_len": 32, "seeds": 2},
+        "rows": [
+            {"mechanism": "performer", "budget_key": "num_features", "budget": 4}
+            | {"inputs": "gaussian", "mean": 0.5, "std": 0.1}
+        ],
+    }
+    model = {
+        "config": {"seq_len": 32, "batch": 2, "layers": 1, "dim": 16, "heads": 2},
+        "points": [{"mechanism": "softmax", "status": "ok", "time_ms": 3.0, "memory": {}}],
+    }
+    paths = {}
+    for name, result in (("scaling", scaling), ("fidelity", fidelity), ("model", model)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(result))
+    text, stdout = _run(
+        capsys,
+        ["report", "--scaling", str(paths["scaling"]), "--fidelity", str(paths["fidelity"])]
+        + ["--model", str(paths["model"]), "--at-seq-len", "128"],
+    )
+    assert text == bench.report(scaling=[scaling], fidelity=fidelity, model=[model], at_seq_len=128)
+    assert text in stdout
+    assert "fwd+bwd at T=128, noncausal" in text and "| linear_elu | 2.00 ms | 0.50x" in text
+    assert "| performer | num_features | 0.500 +- 0.100 |" in text
+    assert "| softmax | 3.00 ms |" in text
+
+
+def test_parallel_subcommand(capsys):
+    argv = ["parallel", "--attentions", "linear_elu", "--seq_len", "64", "--shards", "2"]
+    rows, stdout = _run(capsys, argv)
+    assert [(r["attention"], r["causal"]) for r in rows] == [("linear_elu", False)] + [
+        ("linear_elu", True)
+    ]
+    assert all(_positive(r["one"]) and _positive(r[2]) for r in rows)
+    assert "| linear_elu | False |" in stdout and "2 devices (ratio)" in stdout
+    with pytest.raises(SystemExit):  # more shards than devices: a clear error, not a crash
+        bench.main(argv[:-1] + ["1024"])
+    assert "xla_force_host_platform_device_count=1024" in capsys.readouterr().err

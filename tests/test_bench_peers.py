@@ -1,11 +1,11 @@
-"""`train.bench_peers`: the official-layout LARA peer computes our default LARA."""
+"""`train.bench.peers`: the official-layout LARA peer computes our default LARA."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from linattn_jax import randomized
-from train import bench_peers
+from train.bench import peers
 
 
 def test_lara_peer_is_our_default_lara_with_the_same_noise():
@@ -20,8 +20,8 @@ def test_lara_peer_is_our_default_lara_with_the_same_noise():
     rng = jax.random.key(0)
     ours = randomized.lara_attention(q, k, v, {}, rng, num_landmarks=c)
     eps = randomized.lara_noise(rng, b, c, 1, h, d)[:, :, 0]  # [B, C, H, d]
-    peer = bench_peers.lara_peer(q, k, v, None, num_landmarks=c, eps=jnp.swapaxes(eps, 1, 2))
+    peer = peers.lara_peer(q, k, v, None, num_landmarks=c, eps=jnp.swapaxes(eps, 1, 2))
     np.testing.assert_allclose(peer, ours, rtol=2e-5, atol=2e-5)
     # T % C != 0: the official split runs and gives a finite output of the same shape.
-    odd = bench_peers.lara_peer(q[:, :22], k[:, :22], v[:, :22], rng, num_landmarks=c)
+    odd = peers.lara_peer(q[:, :22], k[:, :22], v[:, :22], rng, num_landmarks=c)
     assert odd.shape == (b, 22, h, d) and bool(jnp.all(jnp.isfinite(odd)))

@@ -12,7 +12,8 @@ import pytest
 
 import linattn_jax as la
 from linattn_jax import core, softmax
-from train import configs, distill, lm, loop, models, vision
+from train import configs, distill, loop, models
+from train.data.images import ImageTask
 
 
 def _naive_loss(q, k, params, name, mask, causal):
@@ -114,7 +115,9 @@ def test_capture_attention_calls():
         np.testing.assert_array_equal(np.asarray(c.mask), np.asarray(want))
     assert not np.allclose(calls[0].q, calls[1].q)  # layer inputs differ
     # the causal LM
-    lm_model = lm.CausalLM(max_len=8, num_layers=2, emb_dim=16, num_heads=2, qkv_dim=16, mlp_dim=16)
+    lm_model = models.CausalLM(
+        max_len=8, num_layers=2, emb_dim=16, num_heads=2, qkv_dim=16, mlp_dim=16
+    )
     toks = jnp.ones((1, 8), jnp.int32)
     lv = lm_model.init({"params": jax.random.key(0)}, toks)
     calls = distill.capture_attention(lm_model, lv, toks, deterministic=True)
@@ -127,7 +130,7 @@ def test_capture_attention_calls():
 
 def test_transplant_keeps_student_mechanism_and_fixed():
     x = jnp.zeros((2, 8, 8, 3), jnp.uint8)
-    teacher = vision.ViT(
+    teacher = models.ViT(
         num_classes=3, image_size=(8, 8), emb_dim=16, num_layers=1, num_heads=2, mlp_dim=16
     )
     student = teacher.clone(attention="performer", attention_config=(("num_features", 8),))
@@ -176,7 +179,7 @@ def _task(rule):
         s: _marks(n, i, rule)
         for i, (s, n) in enumerate((("train", 2000), ("val", 256), ("test", 256)))
     }
-    return vision.ImageTask("marks_" + rule, splits, 4, (16, 16), augment="none")
+    return ImageTask("marks_" + rule, splits, 4, (16, 16), augment="none")
 
 
 def _config(student, steps):
@@ -223,14 +226,14 @@ def _check_flexformer_stage1(column_teacher):
     """
     task, teacher_dir = column_teacher
     config = _config("flexformer_n", 1)
-    t_trainer, t_state, _ = distill.restore(distill.teacher_config(config), teacher_dir, data=task)
+    t_trainer, t_state, _ = loop.restore_run(distill.teacher_config(config), teacher_dir, data=task)
     s_trainer = loop.Trainer(config, task)
     student = distill.init_student(t_state, s_trainer)
     result = distill.distill_attention(
         t_trainer.model,
-        distill.variables_of(t_state),
+        loop.eval_variables(t_state),
         "flexformer_n",
-        distill.variables_of(student),
+        loop.eval_variables(student),
         distill.input_batches(s_trainer, seed=1),
         num_steps=100,
         learning_rate=3e-2,
@@ -329,7 +332,7 @@ def test_kernel_transfer_column_to_row(column_run, tmp_path):
 def test_feature_map_files_check_the_student(tmp_path):
     x = jnp.zeros((1, 8, 8, 3), jnp.uint8)
     cfg = (("num_features", 8),)
-    model = vision.ViT(
+    model = models.ViT(
         num_classes=2,
         image_size=(8, 8),
         emb_dim=16,
@@ -348,29 +351,29 @@ def test_feature_map_files_check_the_student(tmp_path):
         loaded[("block_0", "attention")]["omega"], maps[("block_0", "attention")]["omega"]
     )
     state = loop.TrainState(step=0, params=variables["params"], extra={}, opt_state=None)
-    distill._check_maps_fit(loaded, state, "flexformer_s")
+    distill.check_maps_fit(loaded, state, "flexformer_s")
     bigger = model.clone(attention_config=(("num_features", 16),))
     other = bigger.init({"params": jax.random.key(0)}, x)
     state = loop.TrainState(step=0, params=other["params"], extra={}, opt_state=None)
     with pytest.raises(ValueError, match="shapes"):
-        distill._check_maps_fit(loaded, state, "flexformer_s")
+        distill.check_maps_fit(loaded, state, "flexformer_s")
     with pytest.raises(FileNotFoundError):
         distill.load_feature_maps(tmp_path / "missing.msgpack")
     with pytest.raises(ValueError, match="feature-map mechanism"):
         distill.student_config(_config("softmax", 1), "nystromformer")
 
 
-def test_variables_of_uses_the_evaluated_params():
+def test_teacher_variables_are_the_evaluated_params():
     """A teacher trained with a parameter EMA is evaluated with the EMA: distillation must
     capture its attention from the same weights."""
     params = {"w": jnp.ones(3)}
     ema_state = loop.param_ema(0.5).init({"w": jnp.zeros(3)})
     state = loop.TrainState(step=0, params=params, extra={"fixed": {}}, opt_state=(ema_state,))
-    got = distill.variables_of(state)
+    got = loop.eval_variables(state)
     np.testing.assert_array_equal(got["params"]["w"], np.zeros(3))
     assert got["fixed"] == {}
     state = state.replace(opt_state=())
-    np.testing.assert_array_equal(distill.variables_of(state)["params"]["w"], np.ones(3))
+    np.testing.assert_array_equal(loop.eval_variables(state)["params"]["w"], np.ones(3))
 
 
 def test_students_are_the_feature_map_mechanisms():
@@ -382,3 +385,30 @@ def test_students_are_the_feature_map_mechanisms():
         distill.student_feature_map("softmax")
     with pytest.raises(ValueError, match="decayed recurrence"):
         distill.student_feature_map("rfa", {"gate": True})
+
+
+def test_cli_refuses_bad_input_before_any_training(tmp_path, monkeypatch, capsys):
+    """``python -m train.distill``: a student without a feature map, ``transfer`` without
+    ``--source`` and a missing feature-map file fail before a teacher is built or trained
+    (the full ``run`` / ``transfer`` commands: tests/test_train_cli.py)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="cannot distill into 'softmax'"):
+        distill.main(["run", "--student=softmax", "--train_teacher"])
+    with pytest.raises(SystemExit):
+        distill.main(["transfer", "--student=hedgehog"])
+    assert "transfer needs --source" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="no feature-map file"):
+        distill.main(["transfer", "--student=hedgehog", "--source=missing.msgpack"])
+    assert not (tmp_path / "workdir" / "listops_mini_softmax").exists()
+
+
+def test_module_runs_as_a_script():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "train.distill", "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "python -m train.distill run --task listops" in out.stdout
+    assert "--student" in out.stdout and "--stage1_steps" in out.stdout

@@ -535,11 +535,11 @@ def test_pair_symmetry_and_jitter():
 
 
 def test_training_moves_kernel_off_stationary():
-    """Fitting a non-stationary target attention (train.bench_kernel_fit's exp(q^ . W k^), raw
+    """Fitting a non-stationary target attention (train.bench.kernel_fit's exp(q^ . W k^), raw
     inputs as in the benchmark) for 60 Adam steps grows flexformer_n's shift-invariance gap
     from the default init by more than 3x, while the tied init stays stationary (gap at
     rounding level) and flexformer_s is stationary by construction."""
-    from train.bench_kernel_fit import target_attention
+    from train.bench.kernel_fit import target_attention
 
     d, t = 8, 16
     q, k, v = _inputs(jax.random.key(30), b=4, t=t, h=1, d=d, scale=0.6)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from train import bench, bench_kernel_fit, configs
+from train import bench, configs
 from train.__main__ import REFERENCES, build_config, comparison_line, parse_args
+from train.bench import kernel_fit
 
 
 def _summary(attention, val, test, steps=500):
@@ -53,12 +54,12 @@ def test_kernel_fit_bench_runs():
          "--seeds", "1", "--quiet"]
     )  # fmt: skip
     rows = {r["mechanism"]: r for r in result["rows"]}
-    assert set(rows) == set(bench_kernel_fit.MECHANISMS)
+    assert set(rows) == set(kernel_fit.MECHANISMS)
     assert result["config"]["budget"] == 8
     for name in ("flexformer_n", "flexformer_s", "hedgehog"):
         assert rows[name]["fitted"] <= rows[name]["init"] + 1e-6, rows[name]
     assert rows["performer"]["fitted"] == rows["performer"]["init"]  # nothing to fit
-    table = bench_kernel_fit.table(result)
+    table = kernel_fit.table(result)
     assert table.count("\n| ") == 5  # header + 4 rows
     with pytest.raises(ValueError, match="budget"):
-        bench_kernel_fit.run(budget=3)
+        kernel_fit.run(budget=3)

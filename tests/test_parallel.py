@@ -86,8 +86,8 @@ def test_bad_meshes_and_mechanisms_raise():
 @pytest.mark.parametrize("causal", [False, True])
 def test_per_device_memory_falls_with_the_shards(causal):
     """XLA's compiled per-device memory (forward+backward) over 4 sequence shards is close
-    to a quarter of one device's (`python -m train.bench_parallel` reports it at 64k)."""
-    from train.bench_parallel import per_device_memory
+    to a quarter of one device's (`python -m train.bench parallel` reports it at 64k)."""
+    from train.bench.parallel import per_device_memory
 
     one = per_device_memory("performer", 4096, 1, causal=causal, h=2, d=16)
     four = per_device_memory("performer", 4096, 4, causal=causal, h=2, d=16)
