@@ -355,6 +355,11 @@ def _nystrom(
     # entries are >= 0, so no row or column sum grows past its maximum and the scales of the
     # iterations do not change.
     eye = jnp.eye(n_slots, dtype=bool)[None, None]
+    if shared_landmarks:
+        # The diagonal is kappa(x, x), a constant; the Laplace kernel has a kink there, and
+        # under jit XLA may round the two copies of a landmark apart, so the subgradient
+        # (+-1 per coordinate instead of 0) would depend on fusion. Its true gradient is 0.
+        a = jnp.where(eye, lax.stop_gradient(a), a)
     diag = jnp.max(jnp.where(eye & row_valid, a, 0.0), axis=(-2, -1), keepdims=True)
     a = jnp.where(eye & ~row_valid, jnp.where(diag > 0, diag, 1.0), a)
     c_k = kappa(left, kh, kmask, axis) * row_valid  # [B, H, L, Tk]

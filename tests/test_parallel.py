@@ -23,7 +23,13 @@ _CASES += [
 ]
 # Gradients on the cases that exercise each part of the combination: key log-scales
 # (performer, causal), decays (rfa's gate), the all-reduce (non-causal).
+# nystromformer: the key softmax over devices; laplacian: landmarks, whitening, the local
+# branch's halo and the params (lambda, filters).
 _GRAD_CASES = [("performer", {}, True), ("rfa", {"gate": True}, True), ("hedgehog", {}, False)]
+_GRAD_CASES += [
+    ("nystromformer", {"num_landmarks": 3}, False),
+    ("laplacian", {"num_landmarks": 3, "local_window": 5}, False),
+]
 
 
 def _mesh(data=2, seq=4):
@@ -50,7 +56,7 @@ def _setup(name, config, causal, t=16, b=2, h=2, d=8):
 def test_sequence_parallel_equals_one_device(name, config, causal):
     m, params, qkv, qkv_s, attend, rng, kw = _setup(name, config, causal)
     got = jax.jit(lambda q, k, v, p: attend(q, k, v, p, rng, **kw))(*qkv_s, params)
-    want = m.attention(*qkv, params, rng, **kw)
+    want = jax.jit(lambda q, k, v, p: m.attention(q, k, v, p, rng, **kw))(*qkv, params)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-5)
     assert tuple(got.sharding.spec)[:2] == ("data", "seq")  # the output stays sharded
 
@@ -63,7 +69,7 @@ def test_sequence_parallel_gradients_equal_one_device(name, config, causal):
         return jnp.sum(jnp.sin(fn(q, k, v, p, rng, **kw)))
 
     g = jax.jit(jax.grad(lambda *a: loss(attend, *a), argnums=(0, 1, 2, 3)))(*qkv_s, params)
-    g0 = jax.grad(lambda *a: loss(m.attention, *a), argnums=(0, 1, 2, 3))(*qkv, params)
+    g0 = jax.jit(jax.grad(lambda *a: loss(m.attention, *a), argnums=(0, 1, 2, 3)))(*qkv, params)
     for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(g0), strict=True):
         scale = float(jnp.max(jnp.abs(y))) + 1e-6
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-3, atol=1e-4 * scale)
