@@ -1,0 +1,91 @@
+"""train.claims: the cache, the report, the CLI, and the pieces the claims are built from."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels
+from train import claims
+from train.claims import __main__ as claims_cli
+from train.claims import laplacian, table
+
+
+@pytest.fixture
+def toy_claim(monkeypatch):
+    """A registered cheap claim that counts its runs."""
+    calls = []
+
+    def fn(settings):
+        calls.append(settings)
+        return claims.Finding("x = 1", claims.PARTLY, "because", {"x": 1})
+
+    registry = {**claims.all_claims()}
+    monkeypatch.setattr(claims, "CLAIMS", registry)
+    claims.claim("toy.claim", paper="RA / LARA", statement="A toy.", experiment="None.")(fn)
+    return calls
+
+
+def test_run_caches_and_report_merges(tmp_path, toy_claim):
+    settings = claims.Settings(seeds=2, workdir=tmp_path)
+    (record,) = claims.run(claims.select(["toy.claim"]), settings, log=lambda *_: None).values()
+    assert record["finding"]["verdict"] == claims.PARTLY and len(toy_claim) == 1
+    cached = json.loads((tmp_path / "toy.claim.json").read_text())
+    assert cached["settings"] == {"seeds": 2, "quick": False}
+    claims.run(claims.select(["toy.claim"]), settings, log=lambda *_: None)
+    assert len(toy_claim) == 1  # reused from the cache
+    claims.run(claims.select(["toy.claim"]), settings, rerun=True, log=lambda *_: None)
+    assert len(toy_claim) == 2
+    # other settings do not reuse it
+    assert claims.load(claims.Settings(seeds=3, workdir=tmp_path), "toy.claim") is None
+    text = claims.report(settings)
+    assert "| A toy. | None. | x = 1 | **partly** |" in text
+    assert "not run yet: `python -m train.claims --only ra.unbiased`" in text
+    assert "**`toy.claim`**" in text and "because" in text
+
+
+def test_select_and_finding_errors():
+    with pytest.raises(KeyError, match=r"unknown claim\(s\) \['nope'\]"):
+        claims.select(["nope"])
+    with pytest.raises(ValueError, match="kind must be"):
+        claims.select(None, "slow")
+    with pytest.raises(ValueError, match="verdict must be one of"):
+        claims.Finding("", "maybe", "")
+    assert {c.kind for c in claims.select(None, "cheap")} == {"cheap"}
+    keys = set(claims.all_claims())
+    # every paper's claims named by the issue are registered
+    for key in ("flexformer.init_rate", "laplacian.newton_schulz_vs_cg", "ra.unbiased",
+                "lara.error_vs_samples", "table.equal_budget"):  # fmt: skip
+        assert key in keys
+
+
+def test_cli_list_and_report_only(tmp_path, capsys):
+    claims_cli.main(["--list", "--kind", "cheap"])
+    out = capsys.readouterr().out
+    assert "ra.unbiased" in out and "table.equal_budget" not in out
+    report = tmp_path / "claims.md"
+    claims_cli.main(["--report-only", "--workdir", str(tmp_path), "--out", str(report)])
+    assert report.read_text().startswith("# The seeds' claims")
+    with pytest.raises(SystemExit):
+        claims_cli.main(["--seeds", "0"])
+
+
+def test_conjugate_gradient_and_newton_schulz_invert_a_laplace_matrix():
+    x = jax.random.normal(jax.random.key(0), (8, 4))
+    a = laplacian.laplace_matrix(x, 2.0)
+    assert np.all(np.linalg.eigvalsh(np.asarray(a, np.float64)) > 0)  # positive definite
+    want = np.linalg.inv(np.asarray(a, np.float64))
+    cg = laplacian.conjugate_gradient_inverse(a, 8)  # exact after m steps (to rounding)
+    ns = kernels.newton_schulz_inverse(a[None, None], iters=30, eps=0.0, impl="xla")[0, 0]
+    for got in (cg, ns):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
+    assert float(jnp.max(jnp.abs(laplacian.conjugate_gradient_inverse(a, 1) - want))) > 1e-2
+
+
+def test_table_config_applies_the_budget():
+    c = table.task_config("listops", "performer", seed=2)
+    assert (c.data.min_length, c.data.max_length, c.data.seq_len) == (100, 300, 320)
+    assert c.seed == 2 and c.num_train_steps == 800 and c.attention == "performer"
+    assert table.task_config("listops", "softmax", 0, quick=True).num_train_steps == 4

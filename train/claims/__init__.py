@@ -1,0 +1,238 @@
+"""What the seed papers claim, tested at small scale: ``python -m train.claims``.
+
+Each claim is one small experiment (`Claim`), registered under a key such as
+``flexformer.init_rate``. Running a claim gives a `Finding`: the numbers (markdown), a
+verdict from `VERDICTS` and why, i.e. what the verdict rests on and what would change it.
+Findings are cached as JSON under ``<workdir>/<key>.json`` with the settings, the commit and
+the time they took, so the report can be built in parts (``--only``, ``--kind``) and merged;
+a cached finding is reused while its settings match. `report` writes the markdown of
+docs/claims.md from whatever is cached; a claim not run yet is listed with the command that
+runs it. The verdicts are computed by the experiments, never typed in.
+
+Claims are of two kinds: ``"cheap"`` (estimator statistics, solvers, compiled memory:
+seconds to a few minutes) and ``"train"`` (training runs on the mini tasks, >= `Settings.seeds`
+seeds each, mean +- std).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import platform
+import subprocess
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+REPRODUCED, PARTLY, NOT_REPRODUCED, NOT_TESTABLE = (
+    "reproduced",
+    "partly",
+    "not reproduced",
+    "not testable here",
+)
+VERDICTS = (REPRODUCED, PARTLY, NOT_REPRODUCED, NOT_TESTABLE)
+KINDS = ("cheap", "train")
+PAPERS = ("Flexformer", "LaplacianFormer", "RA / LARA", "Equal budget")
+COMMAND = "python -m train.claims"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Run settings; a cached finding is reused only under equal `key` fields.
+
+    Attributes:
+      seeds: seeds per training run (and per statistical repeat where a claim uses them).
+      quick: tiny sizes (for the tests: the numbers then mean nothing).
+      workdir: the cache of findings and training runs.
+    """
+
+    seeds: int = 3
+    quick: bool = False
+    workdir: Path = Path("workdir/claims")
+
+    def key(self) -> dict[str, Any]:
+        return {"seeds": self.seeds, "quick": self.quick}
+
+
+@dataclasses.dataclass
+class Finding:
+    """One claim's result: `numbers` (markdown), `verdict` (one of `VERDICTS`), `why`."""
+
+    numbers: str
+    verdict: str
+    why: str
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"Finding: verdict must be one of {VERDICTS}, got {self.verdict!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    key: str
+    paper: str
+    statement: str
+    experiment: str
+    fn: Callable[[Settings], Finding]
+    kind: str = "cheap"
+
+
+CLAIMS: dict[str, Claim] = {}
+
+
+def claim(key: str, *, paper: str, statement: str, experiment: str, kind: str = "cheap"):
+    """Registers the decorated ``fn(settings) -> Finding`` as a claim under `key`."""
+    if paper not in PAPERS:
+        raise ValueError(f"claim {key!r}: paper must be one of {PAPERS}, got {paper!r}")
+    if kind not in KINDS:
+        raise ValueError(f"claim {key!r}: kind must be one of {KINDS}, got {kind!r}")
+
+    def register(fn):
+        if key in CLAIMS:
+            raise ValueError(f"claim {key!r} registered twice")
+        CLAIMS[key] = Claim(key, paper, " ".join(statement.split()), experiment, fn, kind)
+        return fn
+
+    return register
+
+
+def all_claims() -> dict[str, Claim]:
+    """Every claim, in report order (importing the claim modules registers them)."""
+    from train.claims import flexformer, laplacian, randomized, table  # noqa: F401
+
+    return dict(sorted(CLAIMS.items(), key=lambda kv: PAPERS.index(kv[1].paper)))
+
+
+def select(keys: Iterable[str] | None = None, kind: str = "all") -> list[Claim]:
+    """The claims named by `keys` (all when None) of `kind` (``"all"``, ``"cheap"``, ``"train"``).
+
+    Raises:
+      KeyError: an unknown key (the message lists the known ones).
+    """
+    claims = all_claims()
+    if keys:
+        unknown = [k for k in keys if k not in claims]
+        if unknown:
+            raise KeyError(f"train.claims: unknown claim(s) {unknown}; known: {list(claims)}")
+        chosen = [claims[k] for k in keys]
+    else:
+        chosen = list(claims.values())
+    if kind not in ("all", *KINDS):
+        raise ValueError(f"train.claims: kind must be 'all', 'cheap' or 'train', got {kind!r}")
+    return [c for c in chosen if kind == "all" or c.kind == kind]
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def cache_path(settings: Settings, key: str) -> Path:
+    return Path(settings.workdir) / f"{key}.json"
+
+
+def load(settings: Settings, key: str) -> dict[str, Any] | None:
+    """The cached record of `key` under `settings`, or None."""
+    path = cache_path(settings, key)
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    return record if record.get("settings") == settings.key() else None
+
+
+def run(claims: Iterable[Claim], settings: Settings, *, rerun: bool = False, log=print):
+    """Runs each claim (or reuses its cached finding) and caches it; returns the records."""
+    records = {}
+    for c in claims:
+        record = None if rerun else load(settings, c.key)
+        if record is None:
+            log(f"[claims] {c.key} ...")
+            t0 = time.perf_counter()
+            finding = c.fn(settings)
+            record = {
+                "key": c.key,
+                "finding": dataclasses.asdict(finding),
+                "settings": settings.key(),
+                "commit": _commit(),
+                "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+                "seconds": round(time.perf_counter() - t0, 1),
+                "machine": f"{platform.machine()}, {platform.processor() or platform.system()}",
+            }
+            path = cache_path(settings, c.key)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(record, indent=1, default=str))
+        log(f"[claims] {c.key}: {record['finding']['verdict']} ({record['seconds']} s)")
+        records[c.key] = record
+    return records
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def report(settings: Settings) -> str:
+    """docs/claims.md from the cached findings under `settings` (unrun claims named)."""
+    claims = all_claims()
+    records = {k: load(settings, k) for k in claims}
+    done = [r for r in records.values() if r]
+    seconds = sum(r["seconds"] for r in done)
+    flags = f" --seeds {settings.seeds}" + (" --quick" if settings.quick else "")
+    lines = [
+        "# The seeds' claims, tested at small scale",
+        "",
+        f"Generated by `{COMMAND}{flags}` (each claim's finding is cached under "
+        f"`{settings.workdir}`; `--only KEY` reruns one). {len(done)} of {len(claims)} claims "
+        f"run, {seconds / 60:.1f} min of compute in total, on the machine named per claim. "
+        "Verdicts: reproduced, partly, not reproduced, not testable here. A claim that does "
+        "not reproduce at this scale is a finding, and its row says what would change it.",
+        "",
+    ]
+    for paper in PAPERS:
+        mine = [c for c in claims.values() if c.paper == paper]
+        if not mine:
+            continue
+        lines += [f"## {paper}", "", "| claim | experiment | result | verdict |"]
+        lines.append("|---|---|---|---|")
+        for c in mine:
+            r = records[c.key]
+            if r is None:
+                result, verdict = f"not run yet: `{COMMAND} --only {c.key}`", "—"
+            else:
+                result, verdict = r["finding"]["numbers"], f"**{r['finding']['verdict']}**"
+            lines.append(
+                f"| {_cell(c.statement)} | {_cell(c.experiment)} | {_cell(result)} | {verdict} |"
+            )
+        lines.append("")
+        for c in mine:
+            r = records[c.key]
+            if r is None:
+                continue
+            lines += [
+                f"**`{c.key}`** ({r['seconds']} s, commit {r['commit']}, {r['date']}): "
+                + " ".join(r["finding"]["why"].split()),
+                "",
+            ]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def mean_std(xs: Iterable[float]) -> tuple[float, float]:
+    """Mean and (population) standard deviation."""
+    xs = [float(x) for x in xs]
+    m = sum(xs) / len(xs)
+    return m, (sum((x - m) ** 2 for x in xs) / len(xs)) ** 0.5
+
+
+def fit_slope(xs: Iterable[float], ys: Iterable[float]) -> float:
+    """Least-squares slope of ``log y`` against ``log x``."""
+    import numpy as np
+
+    lx, ly = np.log(np.asarray(list(xs), float)), np.log(np.asarray(list(ys), float))
+    return float(np.polyfit(lx, ly, 1)[0])

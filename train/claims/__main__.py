@@ -1,0 +1,48 @@
+"""``python -m train.claims``: run the seeds' claims (cached) and write docs/claims.md.
+
+python -m train.claims --kind cheap          # estimator / solver / memory claims (minutes)
+python -m train.claims --kind train          # the equal-budget table and its claims
+python -m train.claims --only ra.unbiased    # one claim (rerun with --rerun)
+python -m train.claims --report-only         # rewrite the report from the cache
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from train import claims
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m train.claims", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--only", nargs="+", default=None, help="claim keys (see --list)")
+    p.add_argument("--kind", default="all", choices=("all", *claims.KINDS))
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="tiny sizes (tests; numbers meaningless)")
+    p.add_argument("--workdir", default="workdir/claims")
+    p.add_argument("--out", default="docs/claims.md", help="the report ('' = do not write)")
+    p.add_argument("--rerun", action="store_true", help="ignore cached findings")
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--list", action="store_true", help="list the claims and exit")
+    args = p.parse_args(argv)
+    if args.seeds < 1:
+        p.error(f"--seeds must be >= 1, got {args.seeds}")
+    settings = claims.Settings(seeds=args.seeds, quick=args.quick, workdir=Path(args.workdir))
+    chosen = claims.select(args.only, args.kind)
+    if args.list:
+        for c in chosen:
+            print(f"{c.key:32s} {c.kind:5s} {c.paper}: {c.statement}")
+        return {}
+    records = {} if args.report_only else claims.run(chosen, settings, rerun=args.rerun)
+    text = claims.report(settings)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    return records
+
+
+if __name__ == "__main__":
+    main()
