@@ -20,6 +20,11 @@ the two agree to float rounding, rfa's gate and the key log-scales of performer 
 flexformer included; the random features of performer and rfa are the fixed ones. Any
 other mechanism keeps a cache of ``max_len`` keys and values and runs itself
 (deterministic) for the new query over the cached prefix.
+
+Long sequences (``mesh=``): the attention runs sequence-parallel,
+`linattn_jax.parallel.sequence_parallel` over the mesh axis ``seq_axis`` (the batch over
+the other mesh axes), with the same params and result as without (call it under ``jax.jit``
+with inputs whose T divides by the axis size). Decoding ignores the mesh.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from linattn_jax import _module_utils as mu
-from linattn_jax import core
+from linattn_jax import core, parallel
 
 attention_fn = mu.attention_fn
 
@@ -55,6 +60,10 @@ class MultiHeadAttention(nn.Module):
       decode: one-token decoding with a ``cache`` collection (see the module docstring);
         the parameters are the same as in parallel mode.
       max_len: cached positions for decoding a mechanism that is not a feature map.
+      mesh: optional `jax.sharding.Mesh`: run the attention sequence-parallel over its axis
+        `seq_axis` (`linattn_jax.parallel.sequence_parallel`; a mechanism it does not
+        support raises there).
+      seq_axis: the mesh axis that splits the sequence (default ``"seq"``).
     """
 
     num_heads: int
@@ -68,6 +77,8 @@ class MultiHeadAttention(nn.Module):
     param_dtype: Any = jnp.float32
     decode: bool = False
     max_len: int = 0
+    mesh: Any = None
+    seq_axis: str = "seq"
 
     @nn.compact
     def __call__(self, inputs_q, inputs_kv=None, *, mask=None, causal=False, deterministic=None):
@@ -114,7 +125,10 @@ class MultiHeadAttention(nn.Module):
             rng = None
             if mech.stochastic and not deterministic:
                 rng = self.make_rng("attention")
-            out = mech.attention(
+            attend = mech.attention
+            if self.mesh is not None:
+                attend = parallel.sequence_parallel(mech, self.mesh, self.seq_axis)
+            out = attend(
                 q, k, v, params, rng, mask=mask, causal=causal, deterministic=deterministic
             )
         return nn.DenseGeneral(

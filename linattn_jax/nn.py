@@ -10,6 +10,10 @@ networks) are `nnx.Param`s under ``layer.mechanism``; fixed random features
 (performer, rfa) are `FixedFeatures` variables (not `nnx.Param`, so an optimizer
 built with ``wrt=nnx.Param`` leaves them alone) that `redraw` replaces. Sampling
 mechanisms draw from the ``"attention"`` rng stream.
+
+Long sequences (``mesh=``): the attention runs sequence-parallel,
+`linattn_jax.parallel.sequence_parallel` over the mesh axis ``seq_axis`` (the batch over
+the other mesh axes), with the same params and result as without.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linattn_jax import _module_utils as mu
+from linattn_jax import parallel
 
 
 def _annotated(init, axes):
@@ -49,6 +54,9 @@ class MultiHeadAttention(nnx.Module):
       dtype: computation dtype of the projections (e.g. ``jnp.bfloat16``; default: inferred
         from inputs and params); param_dtype: dtype of the parameters.
       rngs: ``params`` for init, ``attention`` (optional) for sampling.
+      mesh: optional `jax.sharding.Mesh`: run the attention sequence-parallel over its axis
+        `seq_axis` (`linattn_jax.parallel.sequence_parallel`).
+      seq_axis: the mesh axis that splits the sequence (default ``"seq"``).
     """
 
     def __init__(
@@ -65,6 +73,8 @@ class MultiHeadAttention(nnx.Module):
         dtype=None,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
+        mesh=None,
+        seq_axis: str = "seq",
     ):
         qkv_features = qkv_features or in_features
         out_features = out_features or in_features
@@ -72,6 +82,11 @@ class MultiHeadAttention(nnx.Module):
         self.num_heads, self.head_dim = num_heads, head_dim
         self.mech = nnx.static(mu.bound_mechanism(attention, attention_config))
         self.deterministic = deterministic
+        self.attend = nnx.static(
+            self.mech.attention
+            if mesh is None
+            else parallel.sequence_parallel(self.mech, mesh, seq_axis)
+        )
         init = nnx.initializers.lecun_normal()
 
         def proj():
@@ -140,7 +155,7 @@ class MultiHeadAttention(nnx.Module):
                 rng = rngs
             elif self.rngs is not None:
                 rng = self.rngs()
-        out = self.mech.attention(
+        out = self.attend(
             q,
             k,
             v,
