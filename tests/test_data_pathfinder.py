@@ -19,17 +19,25 @@ def generated(request):
     return request.param, pathfinder.generate(request.param)
 
 
-def _auc(feature: np.ndarray, labels: np.ndarray) -> float:
-    """Area under the ROC curve of ``feature`` for ``labels`` (Mann-Whitney, ties halved)."""
-    pos, neg = feature[labels == 1], feature[labels == 0]
-    greater = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
-    return float(greater / (len(pos) * len(neg)))
-
-
 def test_auc_helper():
     y = np.arange(200) % 2
-    assert _auc(y.astype(float), y) == 1.0 and _auc(-y.astype(float), y) == 0.0
-    assert _auc(np.ones(200), y) == 0.5
+    auc = pathfinder.auc
+    assert auc(y.astype(float), y) == 1.0 and auc(-y.astype(float), y) == 0.0
+    assert auc(np.ones(200), y) == 0.5
+
+
+def test_markers_connected():
+    """4-connected ink above the threshold joins the markers; a gap or a diagonal does not."""
+    img = np.zeros((4, 6, 6), dtype=np.uint8)
+    img[0, 2, 1:5] = 40  # a line
+    img[1, 2, 1:5] = 40
+    img[1, 2, 3] = 0  # with a gap
+    img[2, 2, 1:3] = img[2, 3, 3:5] = 40  # touching only diagonally
+    img[3, 2, 1:5] = 40  # faint ink, below the threshold used below
+    markers = np.array([[[2, 1], [2, 4]], [[2, 1], [2, 4]], [[2, 1], [3, 4]], [[2, 1], [2, 4]]])
+    got = pathfinder.markers_connected(img, markers.astype(np.float32))
+    assert got.tolist() == [True, False, False, True]
+    assert not pathfinder.markers_connected(img[3:], markers[3:], threshold=41)[0]
 
 
 def test_render_is_antialiased():
@@ -78,7 +86,8 @@ def test_label_from_construction(generated):
     for m in range(2):
         assert (d["images"][rows, centres[:, m, 0], centres[:, m, 1]] >= 200).all()
     assert np.all(d["distractors"] <= spec.num_distractors)
-    assert d["distractors"].mean() > 0.9 * spec.num_distractors
+    # most distractors find room (mini is crowded: 0.86 of 1 measured at 2000 images)
+    assert d["distractors"].mean() > 0.75 * spec.num_distractors
 
 
 def test_contours_follow_the_construction():
@@ -103,32 +112,37 @@ def test_contours_follow_the_construction():
     direction = mains[..., 1, :] - mains[..., 0, :]
     cos = (direction[:, :, 1:] * direction[:, :, :-1]).sum(-1) / spec.paddle_length**2
     assert cos.min() > -1e-9
-    # the two main contours never come within the main keep-out radius of each other's heads
-    a = mains[:, 0].reshape(n, -1, 2)[:, :, None]
-    b_tail, b_head = mains[:, 1, :, 0][:, None], mains[:, 1, :, 1][:, None]
-    d = pathfinder._point_segment_distance(a, b_tail, b_head)
-    assert d.min() > spec.paddle_thickness  # no crossing between main contours
-    # distractors do touch the main contours (ink overlaps) in a good share of images
+    # paddles of different contours keep `separation` between their centre lines, and the
+    # tips (where markers go) `marker_separation` (Linsley's non-overlapping masks)
+    flat = mains.reshape(n, -1, 2, 2)
+    a_tail, a_head = mains[:, 0, :, 0], mains[:, 0, :, 1]
+    assert pathfinder._body_gap(a_tail, a_head, mains[:, 1]).min() > spec.separation
     drawn = dis[..., 0, 0] < 1e3
-    heads = dis[..., 1, :].reshape(n, -1, 2)
-    seg = mains.reshape(n, -1, 2, 2)
-    near = pathfinder._clearance(heads, seg).reshape(drawn.shape) < spec.paddle_thickness + 0.5
-    assert (near & drawn).any(axis=(1, 2)).mean() > 0.2
+    assert drawn.mean() > 0.9
+    d_tail, d_head = dis[..., 0, :].reshape(n, -1, 2), dis[..., 1, :].reshape(n, -1, 2)
+    gap = pathfinder._body_gap(d_tail, d_head, flat).reshape(drawn.shape)
+    assert gap[drawn].min() > spec.separation
+    tips = np.concatenate([mains[:, :, 0, 0], mains[:, :, -1, 1]], axis=1)
+    tip_gap = pathfinder._body_gap(d_tail, d_head, np.repeat(tips[:, :, None], 2, axis=2))
+    assert tip_gap.reshape(drawn.shape)[drawn].min() > spec.marker_separation
+    # ... but distractors may touch and cross each other (ink overlaps in many images)
+    other = np.concatenate([dis[:, 1:], dis[:, :1]], axis=1).reshape(n, -1, 2, 2)
+    near = pathfinder._body_gap(d_tail[:, :4], d_head[:, :4], other) < spec.paddle_thickness
+    assert near.any(axis=1).mean() > 0.05
 
 
 @pytest.mark.parametrize("spec", [pathfinder.MINI, pathfinder.FULL], ids=["mini", "32px_len14"])
-def test_no_cheap_feature_predicts_the_label(spec):
-    """Marker distance and ink amount are at chance (AUC 0.5 +- 0.05; the AUC's standard
-    error at 2000 balanced examples is 0.013). The old generator failed this (distance
-    AUC 0.66)."""
-    n = 2000
-    labels = np.arange(n) % 2
-    out = pathfinder.generate_images(spec, labels, np.random.default_rng(11))
-    distance = np.linalg.norm(out["markers"][:, 0] - out["markers"][:, 1], axis=-1)
-    ink = out["images"].reshape(n, -1).astype(np.int64).sum(-1)
-    for name, feature in (("marker distance", distance), ("ink", ink)):
-        auc = _auc(feature, labels)
-        assert abs(auc - 0.5) < 0.05, f"{name} predicts the label: AUC {auc:.3f}"
+def test_label_visible_and_no_cheap_feature(spec):
+    """The label can be read from the picture: the markers are joined by ink (4-connected,
+    any grey level > 0) exactly when the label is 1, in >= 97% of 2000 images (measured
+    100.0% for both; the previous rules, where distractors crossed the main contours and
+    the main contours touched, were at 52-69%). Marker distance and ink amount are at chance
+    (AUC 0.5 +- 0.05; the AUC's standard error at 2000 balanced examples is 0.013; the old
+    generator failed this with a distance AUC of 0.66)."""
+    got = pathfinder.measure(spec, 2000, seed=11)
+    assert got["label_visible"] >= 0.97, got
+    for name in ("auc_marker_distance", "auc_ink"):
+        assert abs(got[name] - 0.5) < 0.05, f"{name} predicts the label: {got}"
 
 
 def test_same_seed_same_images():
