@@ -46,3 +46,8 @@ def halo(x, r: int, dim: int, axis):
     from_left = lax.ppermute(last, axis, [(i, i + 1) for i in range(n - 1)])
     from_right = lax.ppermute(first, axis, [(i + 1, i) for i in range(n - 1)])
     return jnp.concatenate([from_left, x, from_right], axis=dim)
+
+
+def pmax(x, axis):
+    """``x`` maxed over the devices of `axis` (``x`` when `axis` is None)."""
+    return x if axis is None else lax.pmax(x, axis)

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from linattn_jax import core, nystrom, registry
+from linattn_jax import core, landmarks, nystrom, randomized, registry
 
 _f32 = jnp.float32
 
@@ -65,7 +65,9 @@ def supported_names() -> list[str]:
     """Mechanisms that `sequence_parallel` accepts (the feature-map ones, the Nystrom family
     and LARA)."""
     return [
-        n for n in registry.names() if registry.get(n).feature_map is not None or n in _REDUCING
+        n
+        for n in registry.names()
+        if registry.get(n).feature_map is not None or n in (*_REDUCING, "lara")
     ]
 
 
@@ -118,7 +120,8 @@ def _exclusive_prefix(summary: core.RecurrentState, total_log_decay, axis: str):
 
 
 def _feature_map_body(fmap, causal, chunk_size, axis):
-    def body(q, k, v, params, mask=None):
+    def body(q, k, v, params, extra, mask=None):
+        del extra
         phi_q = fmap.query(q, params)
         keys = fmap.key(k, params)
         if not causal:
@@ -167,9 +170,38 @@ def _reducing_body(mechanism, causal, config, axis):
     wanted = inspect.signature(fn).parameters
     cfg = {key: val for key, val in cfg.items() if key in wanted}
 
-    def body(q, k, v, params, mask=None):
-        extra = {"params": params} if "params" in wanted else {}
-        out = fn(q, k, v, mask=mask, causal=causal, output="linear", axis=axis, **extra, **cfg)
+    def body(q, k, v, params, extra, mask=None):
+        del extra
+        p = {"params": params} if "params" in wanted else {}
+        out = fn(q, k, v, mask=mask, causal=causal, output="linear", axis=axis, **p, **cfg)
+        return out.astype(q.dtype)
+
+    return body
+
+
+def _lara_noise(mechanism, q, k, rng, deterministic, config):
+    """LARA's unit draws for the whole batch, as the one-device call makes them (small:
+    ``[B, L, S', H, d]``); ``{}`` when deterministic."""
+    if deterministic:
+        return {}
+    cfg = {**mechanism.defaults, **config}
+    b, tq, h, d = q.shape
+    grid, m = cfg["grid"], cfg["num_landmarks"]
+    n_prop = landmarks.num_landmarks(k.shape[1], m if grid else min(m, tq, k.shape[1]), grid)
+    noise = randomized.lara_noise(
+        rng, b, n_prop, cfg["num_samples"], h, d, antithetic=cfg["antithetic"]
+    )
+    return {"noise": noise}
+
+
+def _lara_body(mechanism, deterministic, config, axis):
+    cfg = {**mechanism.defaults, **config}
+
+    def body(q, k, v, params, extra, mask=None):
+        out = randomized.lara_sharded(
+            q, k, v, params, extra.get("noise"), mask=mask, deterministic=deterministic,
+            seq_axis=axis, **cfg,
+        )  # fmt: skip
         return out.astype(q.dtype)
 
     return body
@@ -199,7 +231,7 @@ def sequence_parallel(
       ValueError: the mesh has no `axis`, or (at call time) T or B do not divide.
     """
     fmap = mechanism.feature_map
-    if fmap is None and mechanism.name not in _REDUCING:
+    if fmap is None and mechanism.name not in (*_REDUCING, "lara"):
         raise NotImplementedError(
             f"sequence_parallel supports the feature-map mechanisms {supported_names()}; "
             f"{mechanism.name!r} is not one of them"
@@ -225,14 +257,20 @@ def sequence_parallel(
             rng,
         )
         _check_lengths(q, k, mask, mesh, axis, tuple(batch_axes))
-        if fmap is None:
+        extra = {}
+        if mechanism.name == "lara":
+            body, resolved = _lara_body(mechanism, deterministic, config, axis), params
+            extra = _lara_noise(mechanism, q, k, rng, deterministic, config)
+        elif fmap is None:
             body, resolved = _reducing_body(mechanism, causal, config, axis), params
         else:
             fm = fmap.bind(**config)
             resolved = fm.resolve(params, rng, deterministic=deterministic)
             chunk_size = int({**mechanism.defaults, **config}.get("chunk_size", 64))
             body = _feature_map_body(fm, causal, chunk_size, axis)
-        args, specs = (q, k, v, resolved), (seq, seq, seq, PartitionSpec())
+        extra_spec = {key: PartitionSpec(bspec) for key in extra}  # batch-major draws
+        args = (q, k, v, resolved, extra)
+        specs = (seq, seq, seq, PartitionSpec(), extra_spec)
         if mask is not None:
             args, specs = (*args, mask), (*specs, seq_mask)
         sharded = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=seq, check_vma=False)

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from linattn_jax import _checks, core, landmarks
+from linattn_jax import _checks, _seq, core, landmarks
 from linattn_jax.registry import Mechanism, register
 
 _f32 = jnp.float32
@@ -56,15 +56,16 @@ _MIS = ("opt", "bh")
 # ----------------------------------------------------------------------------- helpers
 
 
-def _masked_softmax(logits, valid, axis):
+def _masked_softmax(logits, valid, axis, seq_axis=None):
     """``softmax(logits)`` over `axis` restricted to `valid` (broadcasts); all-invalid -> 0.
 
     The max is detached (it cancels); invalid entries go through ``exp(-inf) = 0``
-    so neither the value nor the gradient sees them.
+    so neither the value nor the gradient sees them. `seq_axis`: `axis` is split over
+    that mesh axis (inside ``shard_map``); the max and the sum run over its devices too.
     """
-    m = lax.stop_gradient(core.masked_max(logits, valid, axis))
+    m = _seq.masked_max(logits, valid, axis, seq_axis)
     e = jnp.exp(jnp.where(valid, logits - m, -jnp.inf))
-    den = jnp.sum(e, axis=axis, keepdims=True)
+    den = _seq.psum(jnp.sum(e, axis=axis, keepdims=True), seq_axis)
     return e / jnp.where(den > 0, den, 1.0)
 
 
@@ -368,7 +369,7 @@ class _Cfg(NamedTuple):
     mixed: bool
 
 
-def _lara_proposals(q, k, params, mask, cfg):
+def _lara_proposals(q, k, params, mask, cfg, seq_axis=None):
     """Landmarks and proposal means.
 
     Returns ``(qh, kh, q_bar, mu, valid_c, q_mask)``: scaled inputs ``[B, T, H, d]``,
@@ -382,6 +383,10 @@ def _lara_proposals(q, k, params, mask, cfg):
     query landmarks and the query statistics r_nc (padded queries take no part).
     ``mixed=True`` replaces each key landmark by ``sum_c' softmax_c'(k~_c . k~_c') k~_c'``
     (the official 2-D "-mixed" proposals; over the valid slots).
+
+    `seq_axis`: q, k, mask are this device's parts of sequences split along T over that
+    mesh axis; the landmarks are those of the whole sequences
+    (`landmarks.sharded_landmarks`), the same on every device.
     """
     tq, tk = q.shape[1], k.shape[1]
     d = q.shape[-1]
@@ -396,10 +401,15 @@ def _lara_proposals(q, k, params, mask, cfg):
         pq, pk = q.astype(_f32), k.astype(_f32)
     else:
         pq, pk = qh, kh
-    m = cfg.num_landmarks if grid is not None else min(cfg.num_landmarks, tq, tk)
+    shards = 1 if seq_axis is None else lax.axis_size(seq_axis)
+    m = cfg.num_landmarks if grid is not None else min(cfg.num_landmarks, tq * shards, tk * shards)
     q_mask = mask if (mask is not None and tq == tk) else None
-    q_bar, lq = landmarks.landmarks(pq, m, mask=q_mask, grid=grid)
-    k_bar, lk = landmarks.landmarks(pk, m, mask=mask, grid=grid)
+    if seq_axis is None:
+        q_bar, lq = landmarks.landmarks(pq, m, mask=q_mask, grid=grid)
+        k_bar, lk = landmarks.landmarks(pk, m, mask=mask, grid=grid)
+    else:
+        q_bar, lq = landmarks.sharded_landmarks(pq, m, seq_axis, mask=q_mask, grid=grid)
+        k_bar, lk = landmarks.sharded_landmarks(pk, m, seq_axis, mask=mask, grid=grid)
     if proposal == "pool":
         q_bar = _proposal_features(q_bar, params, "q") * d**-0.25
         k_bar = _proposal_features(k_bar, params, "k") * d**-0.25
@@ -442,20 +452,25 @@ def lara_noise(
     return eps
 
 
-def _lara_terms(q, k, params, rng, mask, deterministic, cfg):
+def _lara_terms(q, k, params, rng, mask, deterministic, cfg, seq_axis=None, noise=None):
     """Shared setup of `lara_attention` and `lara_reference`: proposals and draws.
+
+    `seq_axis` as `_lara_proposals`; `noise`: the unit draws (`lara_noise` of `rng`, made
+    by the caller for the whole batch when the batch is split too) instead of `rng`.
 
     Returns a dict with ``omega [B, N, H, d]`` (N = L S' terms, proposal-major),
     ``per`` (S', terms per proposal), ``term_c [N]`` (the proposal of each term),
     ``term_valid [B, N]`` and the outputs of `_lara_proposals`.
     """
     b, _, h, d = q.shape
-    qh, kh, q_bar, mu, valid_c, q_mask = _lara_proposals(q, k, params, mask, cfg)
+    qh, kh, q_bar, mu, valid_c, q_mask = _lara_proposals(q, k, params, mask, cfg, seq_axis)
     n_prop = mu.shape[1]
     if deterministic:
         omega, per = mu, 1
     else:
-        eps = lara_noise(rng, b, n_prop, cfg.num_samples, h, d, antithetic=cfg.antithetic)
+        eps = noise
+        if eps is None:
+            eps = lara_noise(rng, b, n_prop, cfg.num_samples, h, d, antithetic=cfg.antithetic)
         eps = eps * resolve_noise_scale(cfg.noise_scale, d)
         omega = mu[:, :, None] + eps  # [B, L, S', H, d]
         per = omega.shape[2]
@@ -522,11 +537,12 @@ def _lara_public(body):
 
     for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
         setattr(attention, attr, getattr(body, attr))
+    attention.body = body  # for `lara_sharded`
     return attention
 
 
 @_lara_public
-def lara_attention(q, k, v, mask, t, cfg):
+def lara_attention(q, k, v, mask, t, cfg, seq_axis=None):
     """Linear randomized attention (LARA), ``[B, Tq, H, Dv]`` in q's dtype. O(C (Tq + Tk) d).
 
     C = `num_landmarks` Gaussian proposals ``g_c = N(mu_c, I)``, ``mu_c = q~_c + k~_c``
@@ -604,16 +620,17 @@ def lara_attention(q, k, v, mask, t, cfg):
 
     # Keys: log xi(k^_m, omega_t) [B, H, N, Tk]; one exp gives f and the logsumexp.
     log_xi_k = jnp.einsum("bhnd,bhmd->bhnm", omega, kh) - _sq_half(kh)[:, :, None, :]
+    # `seq_axis` (`lara_sharded`): the max and the sums over keys run over its devices too.
     if masked:
         log_xi_k = jnp.where(mask[:, None, None, :], log_xi_k, -jnp.inf)
-        m_k = lax.stop_gradient(core.masked_max(log_xi_k, mask[:, None, None, :], -1))
+        m_k = _seq.masked_max(log_xi_k, mask[:, None, None, :], -1, seq_axis)
     else:
-        m_k = lax.stop_gradient(jnp.max(log_xi_k, axis=-1, keepdims=True))
+        m_k = _seq.pmax(lax.stop_gradient(jnp.max(log_xi_k, axis=-1, keepdims=True)), seq_axis)
     e_k = jnp.exp(log_xi_k - m_k)
-    den_k = jnp.sum(e_k, axis=-1, keepdims=True)  # [B, H, N, 1]
+    den_k = _seq.psum(jnp.sum(e_k, axis=-1, keepdims=True), seq_axis)  # [B, H, N, 1]
     if masked:
         den_k = jnp.where(den_k > 0, den_k, 1.0)
-    f = jnp.einsum("bhnm,bhmd->bhnd", e_k, v32) / den_k  # [B, H, N, Dv]
+    f = _seq.psum(jnp.einsum("bhnm,bhmd->bhnd", e_k, v32), seq_axis) / den_k  # [B, H, N, Dv]
     lse_k = jnp.log(den_k) + m_k  # [B, H, N, 1]
 
     # Proposals: log g_c(omega_t) for every c and the term's own: [B, H, N, L], [B, H, N, 1].
@@ -628,7 +645,8 @@ def lara_attention(q, k, v, mask, t, cfg):
         log_bh = log_g_own - jax.nn.logsumexp(log_g, axis=-1, keepdims=True)
     alpha = jnp.exp(log_bh)  # [B, H, N, 1]
     if cfg.mis == "opt":
-        alpha = alpha + cfg.alpha_coeff * _query_correction(qh, _heads(t["q_bar"]), t, masked)
+        corr = _query_correction(qh, _heads(t["q_bar"]), t, masked, seq_axis)
+        alpha = alpha + cfg.alpha_coeff * corr
 
     # Queries: log p~_n(omega_t) - log g_own, up to the per-query constant -|q^_n|^2 / 2.
     s = jnp.einsum("bhnd,bhqd->bhnq", omega, qh) + (lse_k - log_g_own)  # [B, H, N, Tq]
@@ -645,17 +663,36 @@ def lara_attention(q, k, v, mask, t, cfg):
     return out.astype(q.dtype)
 
 
-def _query_correction(qh, q_bar, t, masked):
+def lara_sharded(q, k, v, params, noise, *, mask=None, deterministic=False, seq_axis, **config):
+    """`lara_attention` inside ``shard_map`` on q, k, v (and mask) split along T over the
+    mesh axis `seq_axis` (`linattn_jax.parallel.sequence_parallel`), each device holding a
+    contiguous part in axis order: the landmarks are those of the whole sequences, and the
+    key softmax f, its normaliser and the query softmax r run over the devices; nothing
+    T-long crosses devices. `noise`: this device's batch rows of `lara_noise` (the draws of
+    the one-device call with the same rng; unused when deterministic). `config`: every
+    config key of `lara_attention`. The inputs are not checked here: the caller checks the
+    whole arrays (``jax.eval_shape`` of `lara_attention`).
+    """
+    cfg = _Cfg(**{key: config[key] for key in _Cfg._fields})
+    t = _lara_terms(q, k, params, None, mask, deterministic, cfg, seq_axis, noise)
+    return lara_attention.body(q, k, v, mask, t, cfg, seq_axis)
+
+
+def _query_correction(qh, q_bar, t, masked, seq_axis=None):
     """``r_{n c_t} - mean_c r_nc`` as ``[B, H, N, Tq]``, ``r_nc = softmax_n(q^_n . q~_c)``.
 
-    `qh` ``[B, H, Tq, d]`` and `q_bar` ``[B, H, L, d]`` heads-first.
+    `qh` ``[B, H, Tq, d]`` and `q_bar` ``[B, H, L, d]`` heads-first; `seq_axis`: the
+    queries are split over that mesh axis (the softmax over n runs over its devices too).
     """
     logits = jnp.einsum("bhcd,bhqd->bhcq", q_bar, qh)  # [B, H, L, Tq]
     if masked:
         cv = t["valid_c"][:, None, :, None]  # [B, 1, L, 1]
-        r = _masked_softmax(logits, t["q_valid"][:, None, None, :] & cv, -1)
+        r = _masked_softmax(logits, t["q_valid"][:, None, None, :] & cv, -1, seq_axis)
         n_c = jnp.maximum(jnp.sum(cv, axis=2, keepdims=True), 1)
         r_mean = jnp.sum(jnp.where(cv, r, 0.0), axis=2, keepdims=True) / n_c
+    elif seq_axis is not None:
+        r = _masked_softmax(logits, True, -1, seq_axis)
+        r_mean = jnp.mean(r, axis=2, keepdims=True)
     else:
         r = jax.nn.softmax(logits, axis=-1)
         r_mean = jnp.mean(r, axis=2, keepdims=True)
@@ -754,6 +791,7 @@ __all__ = [
     "lara_init",
     "lara_noise",
     "lara_reference",
+    "lara_sharded",
     "ra_attention",
     "ra_draws",
     "ra_init",
