@@ -9,9 +9,10 @@ mask (images). 1024 tokens (32x32). Data: our snakes generator at LRA's "hard" s
 or LRA's released images with ``data.source='lra'``.
 ``pathx``: the same model and schedule on 128x128 images (16384 tokens) drawn with
 ``train.data.pathfinder.PATHX``.
-``mini``: ``train.data.pathfinder.MINI`` (16x16 images, 256 tokens, 8000 train; main
-contours of 4 paddles, one distractor), 2 layers, width 64, 4 heads, mean pooling, 500
-steps (the README reports what this budget reaches).
+``mini``: ``train.data.pathfinder.MINI`` (12x12 images, 144 tokens, 8000 train; main
+contours of 3 paddles, no distractors: the easiest setting whose labels no cheap feature
+predicts), 2 layers, width 64, 4 heads, mean pooling, 500 steps (the README reports what
+a budget reaches).
 
 Any field of the generator (``PathfinderSpec``: ``image_size``, ``contour_length``,
 ``num_distractors``, ...) can be set under ``data`` (``--set data.contour_length=9``).

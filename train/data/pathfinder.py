@@ -44,11 +44,11 @@ marker radius 1.5, 32 x 32 images. It is our own numpy code, vectorised across i
   their tips, as Linsley's shared mask does; unlike Linsley's, distractors may touch and
   cross each other (which never joins the two main contours). A distractor that gets stuck
   is retried ``tries`` times and then left out (Linsley: ``allow_incomplete``).
-  An earlier version let distractors cross the main contours and checked the main
-  contours only at a paddle's head and middle: the markers' ink connectivity then agreed
-  with the label in only 52% (full) / 69% (mini) of the images, so the label was often not
-  in the picture. Now it agrees in 100.0% (``markers_connected``: 4-connected ink > 0;
-  ``python -m train.data.pathfinder`` measures it).
+  An earlier version (commit 126729c) let distractors cross the main contours and checked
+  the main contours only at a paddle's head and middle: the markers' ink connectivity
+  then agreed with the label in only 55% (full) / 69% (mini) of the images, so the label
+  was often not in the picture. Now it agrees in 100.0% of 2000 images for both
+  (``markers_connected``: 4-connected ink > 0; ``python -m train.data.pathfinder``).
 * **Contrast.** Main-contour paddles get ``snake_contrast * paddle_contrast`` (1 x 0.75:
   LRA's "2 x 0.75" is the one-entry snake contrast list [1.0] repeated for the two main
   contours, times the paddle contrast 0.75), distractors ``snake_contrast`` (Linsley
@@ -75,7 +75,7 @@ rejection tests on rasterised masks; we test exact distances between segments in
 Presets: ``FULL`` (LRA pathfinder32 hard, 200k images as 160k/20k/20k), ``difficulty_spec``
 for easy/intermediate/hard (contour length 6/9/14), ``PATHX`` (128 x 128; paddle length 5,
 margin 2, seed distance 20, marker radius 3: our scaling, LRA's Path-X parameters are not
-in its paper), and ``MINI`` (16 x 16 for CPU training, see its comment).
+in its paper), and ``MINI`` (12 x 12 for CPU training, see its comment).
 
 Released data (LRA ``lra_release/pathfinder32/<difficulty>/``, difficulty folder
 ``curv_baseline`` (easy), ``curv_contour_length_9`` (intermediate) or
@@ -202,14 +202,18 @@ FULL = PathfinderSpec()
 PATHX = PathfinderSpec(
     image_size=128, paddle_length=5.0, margin=2.0, seed_distance=20.0, marker_radius=3.0
 )
-# MINI: small enough for a 2-core CPU to train on (measured in the README): 16 x 16,
-# main contours of 4 paddles with origins 4 px apart, one distractor of 2 paddles. With
-# shorter contours (2-3 paddles) the marker distance predicts the label (AUC 0.28-0.45).
+# MINI: the easiest setting we found where no cheap feature predicts the label, for a
+# 2-core CPU: 12 x 12 images (144 tokens), main contours of 3 paddles with origins 4 px
+# apart, no distractors (12 x 12 has room for about 0.3 of one). Measured by `python -m
+# train.data.pathfinder --variant mini`, 2000 images: label visible in 100%, marker
+# distance AUC 0.475, ink AUC 0.494. Contours of 2 paddles make the marker distance predict
+# the label (AUC 0.13-0.25 at 10-12 px); 16 x 16 with 4-paddle contours and one distractor
+# (the previous MINI) is also balanced but larger.
 MINI = PathfinderSpec(
-    image_size=16,
-    contour_length=4,
-    distractor_length=2,
-    num_distractors=1,
+    image_size=12,
+    contour_length=3,
+    distractor_length=1,
+    num_distractors=0,
     paddle_length=2.0,
     margin=1.0,
     seed_distance=4.0,
