@@ -10,11 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from _helpers import TINY_CLI
+from _helpers import SMALL_CONFIG, TINY_CLI
 
+import linattn_jax as la
 from train.__main__ import main
 from train.metrics import read_jsonl
 
@@ -335,3 +337,134 @@ def test_multiprocess_training_and_resume_match_one_process(tmp_path):
     np.testing.assert_allclose(
         [train[s] for s in range(1, 5)], [ref_train[s] for s in range(1, 5)], rtol=1e-5
     )
+
+
+# ------------------------------------------------------------------ every entry x mechanism
+_SMOKE_SETS = [
+    *[a for a in TINY_CLI if a.startswith("--set=")],
+    "--set=eval_every=2",
+    "--set=checkpoint_every=2",
+    "--set=num_eval_batches=1",
+    "--set=eval_test=False",
+    "--set=tensorboard=False",
+    "--set=plot=False",
+    "--set=async_checkpointing=False",
+]
+
+
+@pytest.fixture(scope="module")
+def smoke_data(tmp_path_factory):
+    """One small ListOps cache and one small text file for every mechanism's smoke runs."""
+    root = tmp_path_factory.mktemp("smoke_data")
+    text = root / "corpus.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 40)
+    return root, text
+
+
+def _entry_argvs(attention, data_dir, text, workdir):
+    """``{entry: argv}`` of every entry point that accepts `attention`, at tiny settings."""
+    small = [f"--set=attention_config.{k}={v}" for k, v in SMALL_CONFIG.get(attention, {}).items()]
+    common = [f"--attention={attention}", "--steps=2", "--no_progress", *_SMOKE_SETS, *small]
+    lra = [
+        f"--set=data.data_dir={data_dir}",
+        "--set=data.seq_len=32",
+        "--set=data.num_train=32",
+        "--set=data.num_val=8",
+        "--set=data.num_test=8",
+    ]
+    out = {
+        "train": [*common, *lra, f"--workdir={workdir / 'train'}"],
+        "results": [
+            "--tasks=listops",
+            f"--attentions={attention}",
+            f"--workdir={workdir / 'results'}",
+            *[a for a in common if not a.startswith("--attention=")],
+            *lra,
+        ],
+        "vision": [
+            *common,
+            f"--workdir={workdir / 'vit'}",
+            f"--set=data.tfds_data_dir={workdir / 'tfds'}",
+            "--set=data.image_size=16",
+            "--set=model.patch_size=4",
+        ],
+    }
+    if attention in la.causal_names():
+        out["lm"] = [
+            *common,
+            f"--workdir={workdir / 'lm'}",
+            "--num_tokens=2",
+            f"--set=data.path={text}",
+            "--set=data.seq_len=16",
+            "--set=data.val_fraction=0.2",
+        ]
+    return out
+
+
+def _entry_config(entry, argv):
+    from train import __main__ as train_main
+    from train import lm, results, vision
+
+    if entry == "train":
+        return train_main.config_from_argv(argv)[2]
+    if entry == "results":
+        (config,) = results.configs_from_argv(argv)[2]
+        return config
+    if entry == "vision":
+        return vision.config_from_argv(argv)
+    return lm.config_from_argv(argv)[1]
+
+
+def _run_entry(entry, argv):
+    from train import lm, results, vision
+
+    if entry == "train":
+        return main(argv)
+    if entry == "results":
+        (row,) = results.main(argv)
+        assert "error" not in row, row["error"]
+        return row["summary"]
+    if entry == "vision":
+        return vision.main(argv)
+    return lm.main(argv)["summary"]
+
+
+#: the mechanisms whose test also runs one entry point's ``main`` for two real steps (the
+#: others only trace: compiling every pair takes minutes), with XLA's optimisations off (half
+#: the compile time); ``python -m train`` runs for real in test_cli_every_task, and train.lm
+#: also with softmax and hedgehog in tests/test_lm.py
+REAL_RUN = {"performer": "results", "lara": "vision", "flexformer_n": "lm"}
+
+
+@pytest.mark.parametrize("attention", la.names())
+def test_every_entry_point_runs_every_mechanism(attention, smoke_data, tmp_path):
+    """Every entry point this package owns, with every mechanism it accepts, at tiny settings:
+    the command line -> config -> data, model, sharded state -> one train and one eval step
+    traced (forward, backward, optimiser; nothing compiled), the guard against one preset's
+    mechanism settings leaking into another (``train.lm --attention softmax`` once crashed on
+    flexformer's ``num_features``). For the mechanisms of `REAL_RUN` one entry point also
+    runs its ``main`` for two real steps.
+    """
+    from train.loop import Trainer
+
+    tfds = pytest.importorskip("tensorflow_datasets")
+    data_dir, text = smoke_data
+    argvs = _entry_argvs(attention, data_dir, text, tmp_path)
+    with tfds.testing.mock_data(num_examples=16):
+        for entry, argv in argvs.items():
+            trainer = Trainer(_entry_config(entry, argv))
+            state = trainer.abstract_sharded_state()
+            new_state, metrics = jax.eval_shape(trainer.train_step, state, trainer.batch_spec())
+            assert jax.tree.structure(new_state) == jax.tree.structure(state), entry
+            assert metrics["loss"].shape == (), entry
+            eval_batch = {**trainer.batch_spec(), "mask": jax.ShapeDtypeStruct((8,), bool)}
+            jax.eval_shape(trainer.eval_step, state.params, state.extra, eval_batch)
+        entry = REAL_RUN.get(attention)
+        if entry:
+            jax.config.update("jax_disable_most_optimizations", True)
+            try:
+                summary = _run_entry(entry, argvs[entry])
+            finally:
+                jax.config.update("jax_disable_most_optimizations", False)
+    if entry:
+        assert summary["steps"] == 2 and np.isfinite(summary["val"]["loss"]), entry

@@ -61,10 +61,15 @@ def parse_args(argv):
 build_config = cli.build_config
 
 
+def config_from_argv(argv):
+    """``(args, overrides, config)``: what ``python -m train <argv>`` would train."""
+    args, overrides = parse_args(argv)
+    return args, overrides, build_config(args, overrides)
+
+
 def main(argv=None) -> dict:
     """Parse ``argv``, run ``train_and_evaluate``, print the summary; returns it."""
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    config = build_config(args, overrides)
+    args, overrides, config = config_from_argv(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Imported here so `--help` and bad flags answer without loading jax.
     from train import loop

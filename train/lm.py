@@ -47,6 +47,7 @@ __all__ = [
     "init_cache",
     "lm_loss",
     "load_text",
+    "config_from_argv",
     "main",
     "perplexity",
     "recurrent_logits",
@@ -84,11 +85,16 @@ def parser():
     return p
 
 
+def config_from_argv(argv=None):
+    """``(args, config)``: the flags and the config ``python -m train.lm <argv>`` trains."""
+    args, overrides = cli.parse(parser(), argv, config_flags=False)
+    return args, cli.build_config(args, overrides, task="lm")
+
+
 def main(argv=None) -> dict:
     """Train (unless ``--generate_only``), print perplexity, sample; returns
     ``{"summary", "sample"}``."""
-    args, overrides = cli.parse(parser(), argv, config_flags=False)
-    config = cli.build_config(args, overrides, task="lm")
+    args, config = config_from_argv(argv)
     workdir = args.workdir or f"workdir/lm_{args.preset}_{args.attention}"
     from train import loop
 

@@ -16,13 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from train import configs
+from train import cli
+
+
+def run_config(task, attention, steps, preset, overrides=(), progress=True):
+    """The config of one (task, attention) run of the table."""
+    flags = argparse.Namespace(
+        task=task, preset=preset, attention=attention, steps=steps, no_progress=not progress
+    )
+    return cli.build_config(flags, overrides)
 
 
 def run_all(
@@ -41,12 +48,7 @@ def run_all(
     rows = []
     for task in tasks:
         for attention in attentions:
-            config = configs.get_config(task, preset)
-            configs.set_attention(config, attention)
-            if steps is not None:
-                config.num_train_steps = int(steps)
-            config.progress_bar = progress
-            configs.apply_overrides(config, overrides)
+            config = run_config(task, attention, steps, preset, overrides, progress)
             run_dir = Path(workdir) / task / attention
             try:
                 summary = loop.train_and_evaluate(config, run_dir)
@@ -173,24 +175,41 @@ def plot(rows: Sequence[dict[str, Any]], png: str | Path) -> Path:
     return png
 
 
-def main(argv=None) -> list[dict[str, Any]]:
-    p = argparse.ArgumentParser(
-        prog="python -m train.results",
-        description=__doc__,
-        formatter_class=argparse.RawTextHelpFormatter,
+def parser() -> argparse.ArgumentParser:
+    """The ``python -m train.results`` parser."""
+    p = cli.parser(
+        "python -m train.results",
+        __doc__,
+        task=None,
+        attention=None,
+        flags=("preset", "steps", "set", "no_progress"),
     )
+    p.formatter_class = argparse.RawTextHelpFormatter
     p.add_argument("--tasks", default="listops", help="comma-separated tasks")
     p.add_argument(
         "--attentions",
         default="softmax,performer,flexformer_n",
         help="comma-separated mechanism names",
     )
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default: the preset's)")
-    p.add_argument("--preset", default="mini")
     p.add_argument("--workdir", default="results")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--no_progress", action="store_true")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    return p
+
+
+def configs_from_argv(argv=None):
+    """``(args, overrides, [config of each (task, attention) run])`` of `argv`."""
+    args, overrides = cli.parse(parser(), argv, config_flags=False)
+    runs = [
+        run_config(t, a, args.steps, args.preset, overrides, not args.no_progress)
+        for t in args.tasks.split(",")
+        if t
+        for a in args.attentions.split(",")
+        if a
+    ]
+    return args, overrides, runs
+
+
+def main(argv=None) -> list[dict[str, Any]]:
+    args, overrides = cli.parse(parser(), argv, config_flags=False)
     logging.basicConfig(level=logging.WARNING)
     tasks = [t for t in args.tasks.split(",") if t]
     attentions = [a for a in args.attentions.split(",") if a]
@@ -200,7 +219,7 @@ def main(argv=None) -> list[dict[str, Any]]:
         steps=args.steps,
         preset=args.preset,
         workdir=args.workdir,
-        overrides=args.set,
+        overrides=overrides,
         progress=not args.no_progress,
     )
     root = Path(args.workdir)

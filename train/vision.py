@@ -40,6 +40,7 @@ __all__ = [
     "build_image_task",
     "build_vit",
     "center_crop",
+    "config_from_argv",
     "main",
     "mix_images",
     "pad_crop_flip",
@@ -50,6 +51,13 @@ __all__ = [
     "random_resized_crop",
     "vit_loss",
 ]
+
+
+def config_from_argv(argv=None):
+    """The config ``python -m train.vision <argv>`` trains (``python -m train --task vit``)."""
+    from train.__main__ import config_from_argv as train_config
+
+    return train_config(["--task", "vit", *(sys.argv[1:] if argv is None else argv)])[2]
 
 
 def main(argv=None):

@@ -1,0 +1,265 @@
+"""The layout rules of ``train/``, checked by walking every module's imports (ast, nothing run).
+
+- configs are data: ``train/configs`` imports only the standard library, ``ml_collections``
+  and ``train.configs``;
+- no module imports another module's underscore names (``from m import _x``, ``m._x``, or a
+  module whose own name is private);
+- ``train`` reaches the mechanisms only through the public top level of ``linattn_jax``
+  (``la.get``, ``la.core``, ``la.linen``, ... : the names in ``linattn_jax.__all__``) and
+  the ``linattn_jax.core`` / ``linattn_jax.linen`` modules;
+- nothing but the entry points imports ``train.cli``;
+- ``train.workloads`` is the only library module that imports the data, the models and the
+  losses together (entry points, which only wire them, are exempt);
+- nothing imports a workload into existence: no config imports a model or data module;
+- no file in ``train/`` is over 600 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import linattn_jax as la
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "train"
+MAX_LINES = 600
+
+#: Entry points: run as ``python -m ...``; the only importers of ``train.cli``. Any
+#: ``__main__.py`` is one too.
+ENTRY_POINTS = {
+    "train/lm.py",
+    "train/vision.py",
+    "train/results.py",
+    "train/bench_activations.py",
+}
+
+#: Files over the line limit that other issues own, with why (agreed exceptions only).
+LONG_FILE_EXCEPTIONS = {
+    "train/data/pathfinder.py": "the Pathfinder generator (issue 15's); to split (lead to agree)",
+    "train/bench_activations.py": "issue 19's new bench, 621 lines; to split (lead to agree)",
+}
+
+#: Modules that read mechanism internals beyond ``la.get`` / ``la.core`` / ``la.linen``
+#: (agreed exceptions only): module -> the linattn_jax submodules it imports.
+LINATTN_EXCEPTIONS = {
+    # issue 19's activation study calls the Nystrom / Flexformer internals it measures
+    "train/bench_activations.py": {"linattn_jax.landmarks", "linattn_jax.flexformer"},
+}
+
+#: ``train.configs`` modules that may import one named ``train`` module (agreed exceptions).
+CONFIG_IMPORT_EXCEPTIONS = {
+    # the generator's fields and presets are read from its spec dataclass (owner: pathfinder)
+    "train/configs/pathfinder.py": {"train.data.pathfinder"},
+}
+
+ALLOWED_LINATTN = {"linattn_jax", "linattn_jax.core", "linattn_jax.linen"}
+
+
+def _files():
+    return sorted(p for p in TRAIN.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _package(path: Path) -> str:
+    name = _module_name(path)
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _resolve(path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module name of a ``from X import ...`` (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = _package(path).split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(path: Path):
+    """``(module, names, node)`` of every import in `path`; for ``from m import a`` the
+    module is ``m`` and names ``[a]``; for ``import m`` names is empty."""
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, [], node
+        elif isinstance(node, ast.ImportFrom):
+            yield _resolve(path, node), [a.name for a in node.names], node
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports (``from pkg import sub`` counts ``pkg.sub`` when it is a
+    module of this repository)."""
+    out = set()
+    for module, names, _ in _imports(path):
+        out.add(module)
+        for n in names:
+            sub = f"{module}.{n}"
+            candidate = ROOT / Path(*sub.split("."))
+            if candidate.with_suffix(".py").exists() or (candidate / "__init__.py").exists():
+                out.add(sub)
+    return out
+
+
+def _is_entry(path: Path) -> bool:
+    return path.name == "__main__.py" or _rel(path) in ENTRY_POINTS
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _bound_modules(path: Path) -> dict[str, str]:
+    """Local name -> module for ``import m [as n]`` and ``from p import m [as n]`` (m a
+    module), to catch ``n._private`` attribute reads."""
+    tree = ast.parse(path.read_text(), str(path))
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                out[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(path, node)
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                candidate = ROOT / Path(*sub.split("."))
+                if candidate.with_suffix(".py").exists() or (candidate / "__init__.py").exists():
+                    out[a.asname or a.name] = sub
+    return out
+
+
+def test_configs_are_data():
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    bad = []
+    for path in (TRAIN / "configs").glob("*.py"):
+        allowed = CONFIG_IMPORT_EXCEPTIONS.get(_rel(path), set())
+        for module in _imported_modules(path):
+            top = module.split(".")[0]
+            if top in stdlib or top == "ml_collections" or module in allowed:
+                continue
+            if (
+                module == "train"
+                or module == "train.configs"
+                or module.startswith("train.configs.")
+            ):
+                continue
+            bad.append(f"{_rel(path)} imports {module}")
+    assert not bad, "configs must be data only:\n" + "\n".join(bad)
+
+
+def test_no_private_names_across_modules():
+    bad = []
+    for path in _files():
+        for module, names, node in _imports(path):
+            if any(_private(part) for part in module.split(".")):
+                bad.append(f"{_rel(path)}:{node.lineno} imports private module {module}")
+            for n in names:
+                if _private(n):
+                    bad.append(f"{_rel(path)}:{node.lineno} imports {module}.{n}")
+        modules = _bound_modules(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules
+                and _private(node.attr)
+            ):
+                bad.append(f"{_rel(path)}:{node.lineno} reads {modules[node.value.id]}.{node.attr}")
+    assert not bad, "no module may use another module's underscore names:\n" + "\n".join(bad)
+
+
+def test_mechanisms_only_through_the_public_api():
+    public = set(la.__all__)
+    bad = []
+    for path in _files():
+        allowed = ALLOWED_LINATTN | LINATTN_EXCEPTIONS.get(_rel(path), set())
+        for module, names, node in _imports(path):
+            if module.split(".")[0] != "linattn_jax":
+                continue
+            if module not in allowed:
+                bad.append(f"{_rel(path)}:{node.lineno} imports {module}")
+            elif module == "linattn_jax":
+                bad += [
+                    f"{_rel(path)}:{node.lineno} imports linattn_jax.{n}"
+                    for n in names
+                    if n not in public and f"linattn_jax.{n}" not in allowed
+                ]
+        modules = _bound_modules(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and modules.get(node.value.id) == "linattn_jax"
+                and node.attr not in public
+            ):
+                bad.append(f"{_rel(path)}:{node.lineno} reads linattn_jax.{node.attr}")
+    assert not bad, "train reaches mechanisms only through la.get / la.core / la.linen:\n" + (
+        "\n".join(bad)
+    )
+
+
+def test_only_entry_points_import_the_cli():
+    bad = [
+        _rel(path)
+        for path in _files()
+        if not _is_entry(path)
+        and path != TRAIN / "cli.py"
+        and "train.cli" in _imported_modules(path)
+    ]
+    assert not bad, f"only entry points may import train.cli: {bad}"
+
+
+def _touches(modules: set[str], package: str) -> bool:
+    return any(m == package or m.startswith(package + ".") for m in modules)
+
+
+def test_only_workloads_joins_data_models_and_losses():
+    bad = []
+    for path in _files():
+        if _is_entry(path) or path == TRAIN / "workloads.py":
+            continue
+        mods = _imported_modules(path)
+        if all(_touches(mods, p) for p in ("train.data", "train.models", "train.losses")):
+            bad.append(_rel(path))
+    assert not bad, f"only train/workloads.py may import data, models and losses together: {bad}"
+
+
+def test_no_workload_registered_by_import():
+    for path in (TRAIN / "configs").glob("*.py"):
+        mods = _imported_modules(path)
+        for package in (
+            "train.models",
+            "train.lm",
+            "train.vision",
+            "train.loop",
+            "train.workloads",
+        ):
+            assert not _touches(mods, package), f"{_rel(path)} imports {package}"
+    src = (ROOT / "train" / "workloads.py").read_text()
+    assert "WORKLOADS: dict[str, Workload] = {" in src  # one literal table
+
+
+def test_file_length():
+    long = {_rel(p): n for p in _files() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    bad = {f: n for f, n in long.items() if f not in LONG_FILE_EXCEPTIONS}
+    assert not bad, f"files over {MAX_LINES} lines (split them): {bad}"
+
+
+def test_long_file_exceptions_are_still_needed():
+    stale = [
+        f
+        for f in LONG_FILE_EXCEPTIONS
+        if not (ROOT / f).exists() or len((ROOT / f).read_text().splitlines()) <= MAX_LINES
+    ]
+    assert not stale, f"remove these from LONG_FILE_EXCEPTIONS (fixed or gone): {stale}"
