@@ -16,7 +16,7 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
 
     # --- what to train
-    c.task = "listops"  # workload name in train.loop.WORKLOADS (LRA task or a later addition)
+    c.task = "listops"  # workload name in train.workloads.WORKLOADS (LRA task or a later one)
     c.preset = "mini"  # "mini" (CPU-sized) or "full" (LRA paper settings); informational
     c.attention = "flexformer_n"  # registry name of the attention mechanism (la.names())
     c.attention_config = (

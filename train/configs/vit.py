@@ -22,7 +22,7 @@ Presets:
   batch 64, 300 steps.
 
 Mechanisms with a ``grid`` config (nystromformer, soft, laplacian, lara) get the patch grid
-automatically (`train.vision.attention_config`); set ``attention_config.num_landmarks`` /
+automatically (`train.models.vit.attention_config`); set ``attention_config.num_landmarks`` /
 ``num_features`` / ``num_samples`` as for any task.
 
 LARA in every ViT preset (`attention_defaults`) uses the official code's image proposals
