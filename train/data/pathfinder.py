@@ -594,9 +594,7 @@ def save_grid(
     return grid
 
 
-def markers_connected(
-    images: np.ndarray, markers: np.ndarray, *, threshold: int = 1
-) -> np.ndarray:
+def markers_connected(images: np.ndarray, markers: np.ndarray, *, threshold: int = 1) -> np.ndarray:
     """Whether the two markers of each image are joined by ink in the picture: ``[N]`` bool.
 
     Pixels ``>= threshold`` are ink; the component of marker 0 (4-connected) is grown until
@@ -846,8 +844,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = PATHX
     else:
         spec = spec_from_config({"variant": args.variant, "difficulty": args.difficulty})
-    print(f"{args.variant} ({args.difficulty if args.variant == 'full' else 'preset'}), "
-          f"{args.n} images: {spec}")
+    print(
+        f"{args.variant} ({args.difficulty if args.variant == 'full' else 'preset'}), "
+        f"{args.n} images: {spec}"
+    )
     for key, value in measure(spec, args.n).items():
         print(f"  {key}: {value:.3f}")
     return 0
