@@ -20,6 +20,12 @@ _CASES += [
     ("soft", {"num_landmarks": 3, "normalize": "row"}, False),
     ("laplacian", {"num_landmarks": 3, "shared_landmarks": False, "local_window": 5}, False),
     ("laplacian", {"normalize": "row", "lam": 4.0, "local_window": 0}, False),
+    # LARA: split segments, a proposal network, several antithetic draws per proposal.
+    (
+        "lara",
+        {"num_landmarks": 3, "proposal": "adaptive-1d", "num_samples": 2, "antithetic": True},
+        False,
+    ),
 ]
 # Gradients on the cases that exercise each part of the combination: key log-scales
 # (performer, causal), decays (rfa's gate), the all-reduce (non-causal).
@@ -29,6 +35,7 @@ _GRAD_CASES = [("performer", {}, True), ("rfa", {"gate": True}, True), ("hedgeho
 _GRAD_CASES += [
     ("nystromformer", {"num_landmarks": 3}, False),
     ("laplacian", {"num_landmarks": 3, "local_window": 5}, False),
+    ("lara", {"num_landmarks": 3, "proposal": "adaptive-1d"}, False),
 ]
 
 
@@ -52,13 +59,54 @@ def _setup(name, config, causal, t=16, b=2, h=2, d=8):
     return m, params, (q, k, v), qkv_s, attend, rng, kw
 
 
-@pytest.mark.parametrize(("name", "config", "causal"), _CASES, ids=str)
-def test_sequence_parallel_equals_one_device(name, config, causal):
-    m, params, qkv, qkv_s, attend, rng, kw = _setup(name, config, causal)
+@pytest.mark.parametrize(
+    ("m", "masked", "grid"),
+    [(4, False, None), (5, False, None), (6, True, None), (20, True, None), (4, True, (3, 5))],
+)
+def test_sharded_landmarks_equal_one_device(m, masked, grid):
+    """The segments of the whole sequence from per-device sums: aligned and split segments,
+    mask-dependent segments, more slots than valid tokens, 2-D pooling."""
+    from linattn_jax import landmarks as lm
+
+    x = jax.random.normal(jax.random.key(0), (2, 16, 2, 3))
+    mask = jnp.arange(16)[None, :] < jnp.array([[16], [11]]) if masked else None
+    want = lm.landmarks(x, m, mask=mask, grid=grid)
+    spec = PartitionSpec("data", "seq")
+    args, specs = (x,), (spec,)
+    if masked:
+        args, specs = (x, mask), (spec, spec)
+    got = jax.shard_map(
+        lambda x, mask=None: lm.sharded_landmarks(x, m, "seq", mask=mask, grid=grid),
+        mesh=_mesh(),
+        in_specs=specs,
+        out_specs=PartitionSpec("data"),
+        check_vma=False,
+    )(*args)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def _assert_equal_one_device(m, params, qkv, qkv_s, attend, rng, kw):
     got = jax.jit(lambda q, k, v, p: attend(q, k, v, p, rng, **kw))(*qkv_s, params)
     want = jax.jit(lambda q, k, v, p: m.attention(q, k, v, p, rng, **kw))(*qkv, params)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-5)
     assert tuple(got.sharding.spec)[:2] == ("data", "seq")  # the output stays sharded
+
+
+@pytest.mark.parametrize(("name", "config", "causal"), _CASES, ids=str)
+def test_sequence_parallel_equals_one_device(name, config, causal):
+    _assert_equal_one_device(*_setup(name, config, causal))
+
+
+@pytest.mark.parametrize(
+    ("name", "deterministic"), [("lara", False), ("lara", True), ("laplacian", False)]
+)
+def test_sequence_parallel_without_mask(name, deterministic):
+    """The unmasked paths (LARA's and laplacian's whitening are separate code) and LARA
+    without draws."""
+    m, params, qkv, qkv_s, attend, rng, kw = _setup(name, {"num_landmarks": 3}, False)
+    kw.update(mask=None, deterministic=deterministic)
+    _assert_equal_one_device(m, params, qkv, qkv_s, attend, rng, kw)
 
 
 @pytest.mark.parametrize(("name", "config", "causal"), _GRAD_CASES, ids=str)
@@ -85,6 +133,10 @@ def test_bad_meshes_and_mechanisms_raise():
         attend(q, k, v, {})
     with pytest.raises(NotImplementedError, match="'softmax' is not one of them"):
         parallel.sequence_parallel(la.get("softmax"), _mesh())
+    with pytest.raises(NotImplementedError, match=r"grid=\(2, 4\) \(2-D landmarks\)"):
+        parallel.sequence_parallel(mech("soft", grid=(2, 4)), _mesh())(
+            q[:, :8], k[:, :8], v[:, :8], {}
+        )
     with pytest.raises(ValueError, match="causal"):  # the mechanism's own checks still apply
         attend(q[:, :8], k, v, {}, causal=True)
 

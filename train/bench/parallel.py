@@ -3,7 +3,8 @@
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m train.bench parallel
 
-For each feature-map mechanism, causal and not, compiles one forward+backward (the
+For each mechanism `la.parallel` supports (the feature maps, the Nystrom family and LARA),
+causal and not where it has a causal form, compiles one forward+backward (the
 gradient w.r.t. q, k, v of the summed output) of ``B=1, H=4, d=64`` at ``T`` (default 64k)
 on one device and split along T over 4 and 8 devices of a ``("data", "seq")`` mesh, and
 prints XLA's compiled per-device memory (``memory_analysis()``: arguments + outputs +
@@ -66,7 +67,7 @@ def main_from_args(args: argparse.Namespace, p: argparse.ArgumentParser) -> list
     print(f"| mechanism | causal | 1 device | {head} |")
     print("|---|---|---|" + "---|" * len(shards))
     for name in args.attentions.split(","):
-        for causal in (False, True):
+        for causal in (False, True) if la.get(name).supports_causal else (False,):
             one = per_device_memory(name, args.seq_len, 1, causal=causal)
             row = {"attention": name, "causal": causal, "one": one}
             cells = []
