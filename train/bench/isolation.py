@@ -4,6 +4,7 @@ mechanism's remaining points, not the run."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -70,30 +71,50 @@ def run_isolated(name: str, argv: Sequence[str], timeout_s: float) -> list[dict]
     return points
 
 
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How `run_mechanisms` runs: in this process or (`isolate`) one subprocess per mechanism
+    under `mechanism_timeout_s`, started with `argv`; a child appends each point to `jsonl`;
+    `log` gets progress lines."""
+
+    isolate: bool = False
+    mechanism_timeout_s: float = 900.0
+    argv: Sequence[str] = ()
+    jsonl: str | None = None
+    log: Callable[[str], None] | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, child_argv: Sequence[str], log) -> RunOptions:
+        """The options of parsed `add_isolation_arguments` (and ``--jsonl``) flags."""
+        return cls(args.isolate, args.mechanism_timeout_s, tuple(child_argv), args.jsonl, log)
+
+
+#: Every mechanism in this process, silently (the default of `run_mechanisms`' callers).
+IN_PROCESS = RunOptions()
+
+
 def run_mechanisms(
     names: Sequence[str],
     measure_one: Callable[[str, Callable[[dict], None]], list[dict]],
+    options: RunOptions,
     *,
     label: str,
-    isolate: bool = False,
-    mechanism_timeout_s: float = 900.0,
-    argv: Sequence[str] = (),
-    jsonl: str | None = None,
-    log: Callable[[str], None] | None = None,
     describe: Callable[[dict], str] = str,
 ) -> list[dict]:
     """Every point of every mechanism of `names`, in order.
 
     In this process ``measure_one(name, emit)`` returns a mechanism's points and calls
-    ``emit(point)`` as each lands (which appends it to `jsonl`: how a child reports to its
-    parent); with `isolate`, `run_isolated` runs ``python -m train.bench *argv`` for each
-    mechanism. `log` gets ``"<label>: <name>"`` per mechanism and ``"  <describe(point)>"``
-    per point (including the error point of a subprocess that failed).
+    ``emit(point)`` as each lands (which appends it to ``options.jsonl``: how a child reports
+    to its parent); with ``options.isolate``, `run_isolated` runs ``python -m train.bench
+    *options.argv`` for each mechanism. ``options.log`` gets ``"<label>: <name>"`` per
+    mechanism and ``"  <describe(point)>"`` per point (including the error point of a
+    subprocess that failed).
     """
+    log = options.log
 
     def emit(point: dict) -> None:
-        if not isolate:
-            append_jsonl(jsonl, point)
+        if not options.isolate:
+            append_jsonl(options.jsonl, point)
         if log:
             log(f"  {describe(point)}")
 
@@ -101,8 +122,8 @@ def run_mechanisms(
     for name in names:
         if log:
             log(f"{label}: {name}")
-        if isolate:
-            new = run_isolated(name, argv, mechanism_timeout_s)
+        if options.isolate:
+            new = run_isolated(name, options.argv, options.mechanism_timeout_s)
             for p in new:
                 emit(p)
         else:

@@ -11,7 +11,7 @@ the rest is padding (token 0), as in LRA.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
@@ -97,15 +97,11 @@ def model_point(
 
 def run_model(
     mechanisms: Sequence[str] | None = None,
-    *,
-    isolate: bool = False,
-    mechanism_timeout_s: float = 900.0,
-    argv: Sequence[str] = (),
-    jsonl: str | None = None,
-    log: Callable[[str], None] | None = None,
+    options: isolation.RunOptions = isolation.IN_PROCESS,
     **kwargs,
 ) -> dict:
-    """`model_point` for every registry mechanism, with ratios to softmax."""
+    """`model_point` (settings `kwargs`) for every registry mechanism, with ratios to softmax;
+    `options`: in this process (default) or one subprocess per mechanism."""
     names = common.bench_names(mechanisms, with_xla=False)
 
     def measure_one(name, emit):
@@ -121,17 +117,7 @@ def run_model(
             f"{p['time_ms']:.0f} ms" if p.get("time_ms") else f"{p['status']} {p.get('note', '')}"
         )
 
-    points = isolation.run_mechanisms(
-        names,
-        measure_one,
-        label="model",
-        isolate=isolate,
-        mechanism_timeout_s=mechanism_timeout_s,
-        argv=argv,
-        jsonl=jsonl,
-        log=log,
-        describe=describe,
-    )
+    points = isolation.run_mechanisms(names, measure_one, options, label="model", describe=describe)
     return {
         "kind": "model",
         "environment": common.environment(),
@@ -236,11 +222,7 @@ def run_from_args(args: argparse.Namespace, child_argv: Sequence[str], log) -> t
     budget = args.memory_budget_gib
     result = run_model(
         args.mechanisms,
-        isolate=args.isolate,
-        mechanism_timeout_s=args.mechanism_timeout_s,
-        argv=child_argv,
-        jsonl=args.jsonl,
-        log=log,
+        isolation.RunOptions.from_args(args, child_argv, log),
         seq_len=args.seq_len,
         batch=args.batch,
         dim=args.dim,

@@ -160,24 +160,16 @@ def add_ratios(points: list[dict]) -> list[dict]:
 def run_scaling(
     cfg: ScalingConfig,
     mechanisms: Sequence[str] | None = None,
-    *,
-    isolate: bool = False,
-    mechanism_timeout_s: float = 900.0,
-    argv: Sequence[str] = (),
-    jsonl: str | None = None,
-    log: Callable[[str], None] | None = None,
+    options: isolation.RunOptions = isolation.IN_PROCESS,
 ) -> dict:
-    """All scaling points of `mechanisms` (default: the registry plus softmax_xla) with ratios."""
+    """All scaling points of `mechanisms` (default: the registry plus softmax_xla) with ratios;
+    `options`: in this process (default) or one subprocess per mechanism."""
     names = common.bench_names(mechanisms)
     points = isolation.run_mechanisms(
         names,
         lambda name, emit: scaling_points(name, cfg, emit),
+        options,
         label="scaling",
-        isolate=isolate,
-        mechanism_timeout_s=mechanism_timeout_s,
-        argv=argv,
-        jsonl=jsonl,
-        log=log,
         describe=_describe,
     )
     return {
@@ -385,13 +377,7 @@ def run_from_args(args: argparse.Namespace, child_argv: Sequence[str], log) -> t
         time_limit_s=args.time_limit_s,
     )
     result = run_scaling(
-        cfg,
-        args.mechanisms,
-        isolate=args.isolate,
-        mechanism_timeout_s=args.mechanism_timeout_s,
-        argv=child_argv,
-        jsonl=args.jsonl,
-        log=log,
+        cfg, args.mechanisms, isolation.RunOptions.from_args(args, child_argv, log)
     )
     return result, scaling_table(result) + peers.peer_table(result)
 
