@@ -35,8 +35,10 @@ then ``C_q (.)``. Cost O((Tq + Tk) m d + m^3).
   config ``lam`` is None (the default), or the fixed value ``lam`` (then there is no param;
   the paper's models use lam = 4). The paper does not say how lambda scales with d; we
   init it at d / 2 (`laplacian_lam_init`): on the q, k of the real LRA encoder and ViT at
-  init the median L1 distance is ~1.1 d, so the median kernel entry is ~0.1 (measured
-  0.085 - 0.15), where sqrt(d) gives 1e-4 at d = 64. Kernel matrices from
+  init the median L1 distance is 1.11 d - 1.15 d, so the median kernel entry is 0.10 - 0.11
+  (median C_q entry 0.12 - 0.16), where sqrt(d) gives 1.2e-4 at d = 64 (measured by
+  ``python -m train.bench_activations --sections laplacian``; docs/activations.md, like
+  every real-activation number below). Kernel matrices from
   `kernels.laplace_kernel` (Pallas on GPU; ``impl``/``interpret`` are passed through),
   ``A^+`` by Newton-Schulz.
 
@@ -46,9 +48,10 @@ then ``C_q (.)``. Cost O((Tq + Tk) m d + m^3).
   statistics per sequence, never across the batch), ``c^_i = (c_i - mean_i c) /
   sqrt(var_i c + 1e-5)``, and ``out_i = c^_i A^+ (C_k V)``: no row normalisation, no 1/T.
   With m = T, an exact inverse and eps = 0 this is ``whiten_columns(K) V`` for the full
-  Laplace kernel matrix K. Its scale grows like sqrt(T) (measured std 4.7 x std(v) on ListOps
-  mini, 14 x at T = 1024 at init); the block's output projection and the next LayerNorm
-  absorb it. Ablations: ``normalize="row"`` ``(c_i A^+ C_k V) / (c_i A^+ C_k 1)``
+  Laplace kernel matrix K. Its scale is not normalised and is large (at init, largest layer:
+  std 8 x std(v) on ListOps mini, T = 129; 36 x on ViT mini, T = 65; 207 x on DeiT-tiny,
+  T = 197); the block's output projection and the next LayerNorm absorb it. Ablations:
+  ``normalize="row"`` ``(c_i A^+ C_k V) / (c_i A^+ C_k 1)``
   (guarded, `core.guard_denominator`) and ``normalize="none"``, plain Nystrom
   ``c_i A^+ C_k V``.
 
@@ -57,13 +60,14 @@ then ``C_q (.)``. Cost O((Tq + Tk) m d + m^3).
   then symmetric positive definite (the Laplace kernel is positive definite), so
   ``A + eps I`` has sigma_min >= eps and Newton-Schulz converges. Nystromformer's separate
   query landmarks (``shared_landmarks=False``, ``A = kappa(Q~, K~)``) give a non-symmetric
-  A whose sigma_min falls to 2e-3 - 4e-4 against sigma_max 7 - 17 on the real activations
-  (ListOps mini / full at init, lambda = d / 2): there 20 Newton-Schulz steps stay 100%
-  off the exact inverse, 60 steps reach 1e-3, and the converged output is 33 - 30x the
-  scale of the shared form's (std 153 vs 4.7, 438 vs 14). Shared landmarks: 20 steps are
-  within 1e-6 of the exact inverse on ListOps and 0.7% on the DeiT-tiny grid; the default
-  ``ns_iters`` is 30 (2e-4 there). Both forms estimate the same K: ``C_q A^+ C_k`` is exact
-  when the landmarks are all the keys.
+  A whose sigma_min falls to 7.5e-7 - 6.7e-6 against sigma_max 3.7 - 21 on the real
+  activations at init (ListOps mini, ViT mini, DeiT-tiny; lambda = d / 2): there the
+  Newton-Schulz residual ``max |P V - I|`` is 0.38 - 0.64 after 20 steps and 0.013 - 0.29
+  after 30, float32 diverges by 60 steps on DeiT-tiny (1e3), and the output is 1.5 - 8.6x the
+  scale of the shared form's (std(out) / std(v) 69 vs 8, 135 vs 36, 312 vs 207). Shared
+  landmarks: sigma_min(A) >= 0.03, residual <= 4.6e-4 after 20 steps and <= 1.4e-4 after 30
+  (the default ``ns_iters``), and tripling the steps changes the output by <= 1e-4. Both
+  forms estimate the same K: ``C_q A^+ C_k`` is exact when the landmarks are all the keys.
 
   Local branch (the paper's depthwise convolution on V, added to the global output):
   config ``local_window`` w (odd; 0 = off; default 3), params ``"local"`` ``[w, H]`` (along
@@ -91,10 +95,11 @@ Inverse (config ``inverse``): ``"iterative"`` (default; the mechanism's
 iteration above) or ``"exact"``: ``(A + eps I)^-1`` by an LU solve (eps = 0 for
 nystromformer), a true inverse with no singular-value cutoff (``jnp.linalg.pinv`` drops
 singular values below ~1e-4 of the largest), for tests and ablations. soft and laplacian
-default to 20 and 30 Newton-Schulz steps: on the landmark matrices of the real models at
-init (ListOps mini and full, ViT mini and DeiT-tiny grids) tripling them changes the output
-by < 0.1% (measured 7e-4 at most; ``kernels.bench`` reports the residual against the
-iterations).
+default to 20 and 30 Newton-Schulz steps: on the q, k, v of the real models at init (ListOps
+mini, ViT mini and DeiT-tiny) tripling them changes the output by < 0.4% (laplacian 1e-4,
+soft 3.8e-3 at most; ``python -m train.bench_activations --sections laplacian``;
+``kernels.bench`` reports the residual against the iterations on synthetic landmark
+matrices).
 
 Each mechanism has a ``reference`` (the same landmarks and inverse with the
 ``Tq x Tk`` matrix ``C_q A^+ C_k`` materialised and the normalisation applied to
@@ -683,11 +688,12 @@ def laplacian_lam_init(head_dim: int) -> float:
     """The initial lambda, ``d / 2``.
 
     The paper gives lambda = 4 for its models and says nothing about how lambda scales with
-    d. On the q, k the real models produce at init (train.models LRA encoder, listops mini
-    d = 16 and full d = 64; train.vision ViT mini d = 16 and deit_tiny d = 64), the median
-    L1 distance is 0.95 d - 1.24 d (1.13 d for unit Gaussians), so lambda = d / 2 puts the
-    median kernel entry at 0.085 - 0.15, where lambda = sqrt(d) gives 1e-4 at d = 64 and
-    lambda = 4 gives 1e-8.
+    d. On the q, k the real models produce at init (the LRA encoder on ListOps mini, d = 16;
+    the ViT mini preset, d = 16, and DeiT-tiny, d = 64; measured by ``python -m
+    train.bench_activations --sections laplacian``, docs/activations.md), the median L1
+    distance is 1.11 d - 1.15 d (2 d / sqrt(pi) = 1.13 d for unit Gaussians), so lambda = d / 2
+    puts the median kernel entry at 0.10 - 0.11 (10% - 90% quantiles 0.055 - 0.18), where
+    lambda = sqrt(d) gives 1.2e-4 at d = 64 and lambda = 4 gives 1.5e-8.
     """
     return head_dim / 2.0
 
