@@ -13,6 +13,7 @@ import pytest
 import linattn_jax as la
 from linattn_jax import core, softmax
 from train import configs, distill, loop, models
+from train import trainer as trainer_lib
 from train.data.images import ImageTask
 
 
@@ -226,14 +227,16 @@ def _check_flexformer_stage1(column_teacher):
     """
     task, teacher_dir = column_teacher
     config = _config("flexformer_n", 1)
-    t_trainer, t_state, _ = loop.restore_run(distill.teacher_config(config), teacher_dir, data=task)
-    s_trainer = loop.Trainer(config, task)
+    t_trainer, t_state, _ = trainer_lib.restore_run(
+        distill.teacher_config(config), teacher_dir, data=task
+    )
+    s_trainer = trainer_lib.Trainer(config, task)
     student = distill.init_student(t_state, s_trainer)
     result = distill.distill_attention(
         t_trainer.model,
-        loop.eval_variables(t_state),
+        trainer_lib.eval_variables(t_state),
         "flexformer_n",
-        loop.eval_variables(student),
+        trainer_lib.eval_variables(student),
         distill.input_batches(s_trainer, seed=1),
         num_steps=100,
         learning_rate=3e-2,
@@ -350,11 +353,11 @@ def test_feature_map_files_check_the_student(tmp_path):
     np.testing.assert_array_equal(
         loaded[("block_0", "attention")]["omega"], maps[("block_0", "attention")]["omega"]
     )
-    state = loop.TrainState(step=0, params=variables["params"], extra={}, opt_state=None)
+    state = trainer_lib.TrainState(step=0, params=variables["params"], extra={}, opt_state=None)
     distill.check_maps_fit(loaded, state, "flexformer_s")
     bigger = model.clone(attention_config=(("num_features", 16),))
     other = bigger.init({"params": jax.random.key(0)}, x)
-    state = loop.TrainState(step=0, params=other["params"], extra={}, opt_state=None)
+    state = trainer_lib.TrainState(step=0, params=other["params"], extra={}, opt_state=None)
     with pytest.raises(ValueError, match="shapes"):
         distill.check_maps_fit(loaded, state, "flexformer_s")
     with pytest.raises(FileNotFoundError):
@@ -367,13 +370,15 @@ def test_teacher_variables_are_the_evaluated_params():
     """A teacher trained with a parameter EMA is evaluated with the EMA: distillation must
     capture its attention from the same weights."""
     params = {"w": jnp.ones(3)}
-    ema_state = loop.param_ema(0.5).init({"w": jnp.zeros(3)})
-    state = loop.TrainState(step=0, params=params, extra={"fixed": {}}, opt_state=(ema_state,))
-    got = loop.eval_variables(state)
+    ema_state = trainer_lib.param_ema(0.5).init({"w": jnp.zeros(3)})
+    state = trainer_lib.TrainState(
+        step=0, params=params, extra={"fixed": {}}, opt_state=(ema_state,)
+    )
+    got = trainer_lib.eval_variables(state)
     np.testing.assert_array_equal(got["params"]["w"], np.zeros(3))
     assert got["fixed"] == {}
     state = state.replace(opt_state=())
-    np.testing.assert_array_equal(loop.eval_variables(state)["params"]["w"], np.ones(3))
+    np.testing.assert_array_equal(trainer_lib.eval_variables(state)["params"]["w"], np.ones(3))
 
 
 def test_students_are_the_feature_map_mechanisms():

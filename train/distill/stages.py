@@ -29,6 +29,7 @@ import optax
 
 from train import loop
 from train import metrics as metrics_lib
+from train import trainer as trainer_lib
 from train.distill.capture import capture_attention
 from train.distill.losses import matching_loss, student_feature_map
 from train.distill.params import (
@@ -191,7 +192,7 @@ def distill(
     teacher_val = t_trainer.evaluate(t_state, "val")
     log(f"teacher (softmax) val: {_fmt(teacher_val)}")
 
-    s_trainer = loop.Trainer(config, data)
+    s_trainer = trainer_lib.Trainer(config, data)
     s_state = init_student(t_state, s_trainer)
     no_stage1_val = s_trainer.evaluate(s_state, "val")
     log(f"student {student} with the teacher's weights, before stage 1: {_fmt(no_stage1_val)}")
@@ -210,9 +211,9 @@ def distill(
     try:
         result = distill_attention(
             t_trainer.model,
-            loop.eval_variables(t_state),
+            trainer_lib.eval_variables(t_state),
             student,
-            loop.eval_variables(s_state),
+            trainer_lib.eval_variables(s_state),
             tick(),
             num_steps=stage1_steps,
             learning_rate=stage1_lr,
@@ -319,7 +320,7 @@ def kernel_transfer(
         raise ValueError(f"{source} holds {src_info['student']!r} maps, not {student!r}")
     t_trainer, t_state = _teacher(config, teacher_workdir, train_teacher, data, log)
     data = t_trainer.data
-    s_trainer = loop.Trainer(config, data)
+    s_trainer = trainer_lib.Trainer(config, data)
     base = init_student(t_state, s_trainer)
     check_maps_fit(src_maps, base, student)
     if own is not None:
@@ -328,9 +329,9 @@ def kernel_transfer(
     else:
         own_maps = distill_attention(
             t_trainer.model,
-            loop.eval_variables(t_state),
+            trainer_lib.eval_variables(t_state),
             student,
-            loop.eval_variables(base),
+            trainer_lib.eval_variables(base),
             input_batches(s_trainer, seed=int(config.data_shuffle_seed) + 1),
             num_steps=stage1_steps,
             learning_rate=stage1_lr,
@@ -339,10 +340,10 @@ def kernel_transfer(
     variants = {
         "own": own_maps,
         "transferred": src_maps,
-        "init": trainable_mechanism_params(loop.eval_variables(base)),
+        "init": trainable_mechanism_params(trainer_lib.eval_variables(base)),
     }
     ev = eval_inputs(s_trainer, num_eval_batches)
-    t_vars = loop.eval_variables(t_state)
+    t_vars = trainer_lib.eval_variables(t_state)
 
     @jax.jit
     def kl(maps, fixed, t_vars, inputs):
@@ -350,7 +351,7 @@ def kernel_transfer(
         merged = {p: {**fixed[p], **maps[p]} for p in maps}
         return matching_loss(calls, merged, student, block_size=block_size)[0]
 
-    fixed = mechanism_params(loop.eval_variables(base))
+    fixed = mechanism_params(trainer_lib.eval_variables(base))
 
     metric = str(config.get("best_metric", "accuracy"))
     summary: dict[str, Any] = {
@@ -386,7 +387,7 @@ def _teacher(config, teacher_workdir, train_teacher: bool, data, log):
     if train_teacher and not _has_checkpoint(teacher_workdir):
         log(f"training the softmax teacher in {teacher_workdir}")
         loop.train_and_evaluate(t_cfg, teacher_workdir, data=data)
-    t_trainer, t_state, _ = loop.restore_run(t_cfg, teacher_workdir, data=data)
+    t_trainer, t_state, _ = trainer_lib.restore_run(t_cfg, teacher_workdir, data=data)
     return t_trainer, t_state
 
 

@@ -13,7 +13,8 @@ import ml_collections
 import numpy as np
 
 from train import checkpoint as ckpt_lib
-from train import configs, loop
+from train import configs
+from train import trainer as trainer_lib
 from train.distill.losses import student_feature_map
 from train.distill.params import trainable_mechanism_params, transplant, with_mechanism_params
 
@@ -44,14 +45,16 @@ def init_student(teacher_state, student_trainer):
     """A fresh student `TrainState` whose weights are the teacher's (except the mechanism
     params, which keep their init; ``fixed`` features are the student's own)."""
     state = student_trainer.init_state()
-    merged, _, _ = transplant(loop.eval_variables(teacher_state), loop.eval_variables(state))
+    merged, _, _ = transplant(
+        trainer_lib.eval_variables(teacher_state), trainer_lib.eval_variables(state)
+    )
     params = jax.device_put(merged["params"], student_trainer.state_shardings.params)
     return state.replace(params=params, opt_state=student_trainer.tx.init(params))
 
 
 def with_distilled(state, trainer, feature_maps: Mapping[tuple, Any]):
     """`state` with the mechanism params of every attention layer replaced."""
-    merged = with_mechanism_params(loop.eval_variables(state), feature_maps)
+    merged = with_mechanism_params(trainer_lib.eval_variables(state), feature_maps)
     params = jax.device_put(merged["params"], trainer.state_shardings.params)
     return state.replace(params=params, opt_state=trainer.tx.init(params))
 
@@ -113,7 +116,7 @@ def check_maps_fit(maps: Mapping[tuple, Any], state, student: str) -> None:
     Raises:
       ValueError: other layers, or other shapes, than the `student` of `state` has.
     """
-    own = trainable_mechanism_params(loop.eval_variables(state))
+    own = trainable_mechanism_params(trainer_lib.eval_variables(state))
     if set(maps) != set(own):
         raise ValueError(
             f"feature maps are for layers {sorted(maps)}, the {student!r} student has {sorted(own)}"
