@@ -389,3 +389,54 @@ def test_metrics_writer_drops_records_past_the_resume_step(tmp_path):
         ("val", 20, 1.0),
         ("train", 30, -30.0),
     ]
+
+
+def test_checkpoint_param_paths_of_every_model():
+    """The LRA classifier, the ViT and the LM stack the one `train.models.layers.Block`; the
+    parameter paths are those checkpoints held before the blocks were merged."""
+    from flax import traverse_util
+    from flax.core import meta
+
+    def paths(model, x):
+        v = jax.eval_shape(lambda: model.init(jax.random.key(0), x))
+        return {"/".join(k) for k in traverse_util.flatten_dict(meta.unbox(v["params"]))}
+
+    block = {
+        f"block_0/{p}/{w}"
+        for p, ws in {
+            "attention/key": "bk",
+            "attention/query": "bk",
+            "attention/value": "bk",
+            "attention/out": "bk",
+            "mlp/wi": "bk",
+            "mlp/wo": "bk",
+            "ln_attention": "bs",
+            "ln_mlp": "bs",
+        }.items()
+        for w in {"b": "bias", "k": "kernel", "s": "scale"}.values()
+        if w[0] in ws
+    }
+    sizes = dict(num_layers=1, emb_dim=8, num_heads=2, mlp_dim=8)
+    enc = models.Encoder(vocab_size=5, max_len=4, qkv_dim=8, **sizes)
+    lra = paths(models.EncoderClassifier(encoder=enc, num_classes=2), jnp.ones((1, 4), jnp.int32))
+    assert lra == {f"encoder/{p}" for p in block} | {
+        "encoder/cls",
+        "encoder/embed/embedding",
+        "encoder/ln_final/bias",
+        "encoder/ln_final/scale",
+        "encoder/pos_embed",
+        "head/hidden/bias",
+        "head/hidden/kernel",
+        "head/logits/bias",
+        "head/logits/kernel",
+    }
+    final = {"ln_final/bias", "ln_final/scale", "pos_embed"}
+    lm = paths(models.CausalLM(max_len=4, qkv_dim=8, **sizes), jnp.ones((1, 4), jnp.int32))
+    assert lm == block | final | {"embed/embedding"}
+    vit = models.ViT(num_classes=2, image_size=(8, 8), patch_size=4, **sizes)
+    got = paths(vit, jnp.ones((1, 8, 8, 3), jnp.uint8))
+    assert got == block | final | {"cls", "head/bias", "head/kernel"} | {
+        "patch_embed/bias",
+        "patch_embed/kernel",
+    }
+    assert models.EncoderBlock is models.Block and models.MlpBlock is models.Mlp

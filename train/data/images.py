@@ -28,7 +28,7 @@ from .augment import (
     resize,
 )
 from .errors import DatasetNotFoundError
-from .pipeline import check_process, shuffle_seed
+from .pipeline import check_process, iterate_from, shuffle_seed
 from .tfds_tasks import open_source, tfds_data_dir
 
 
@@ -183,8 +183,6 @@ class ImageTask:
         process_count=1,
     ) -> Iterator[dict[str, np.ndarray]]:
         """Endless training batches from ``start_step`` (same contract as ``Task``)."""
-        import grain
-
         ds = self.train_dataset(
             batch_size,
             seed=seed,
@@ -192,10 +190,7 @@ class ImageTask:
             process_index=process_index,
             process_count=process_count,
         )
-        if start_step:
-            ds = ds[int(start_step) :]
-        options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
-        return iter(ds.to_iter_dataset(options))
+        return iterate_from(ds, start_step, num_threads=num_threads, prefetch=prefetch)
 
     def num_eval_batches(self, split: str, batch_size=None) -> int:
         return math.ceil(self.num_examples(split) / (batch_size or self.batch_size))

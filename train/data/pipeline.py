@@ -116,6 +116,17 @@ def shuffle_seed(seed: int) -> int:
     return int(np.random.SeedSequence(int(seed)).generate_state(1, dtype=np.uint32)[0])
 
 
+def iterate_from(ds, start_step: int = 0, *, num_threads: int = 0, prefetch: int = 2):
+    """An iterator over the ``grain.MapDataset`` `ds` from index `start_step` on, read with
+    `num_threads` threads and a `prefetch`-deep buffer (its ``get_state``/``set_state`` work)."""
+    import grain
+
+    if start_step:
+        ds = ds[int(start_step) :]
+    options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
+    return iter(ds.to_iter_dataset(options))
+
+
 def check_process(batch_size: int, process_index: int, process_count: int) -> int:
     if not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -229,7 +240,6 @@ class Task:
         examples with grain's thread pool (useful for lazily decoded sources). The returned
         grain iterator also offers ``get_state()``/``set_state()``.
         """
-        import grain
 
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
@@ -240,10 +250,7 @@ class Task:
             process_index=process_index,
             process_count=process_count,
         )
-        if start_step:
-            ds = ds[int(start_step) :]
-        options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
-        return iter(ds.to_iter_dataset(options))
+        return iterate_from(ds, start_step, num_threads=num_threads, prefetch=prefetch)
 
     # ---------------------------------------------------------------- evaluation
     def num_eval_batches(self, split: str, batch_size: int | None = None) -> int:

@@ -18,7 +18,10 @@ from .layers import (
     compute_dtype,
     dense,
     drop_path,
+    embedding,
     layer_norm,
+    learned_positions,
+    prepend_cls,
     sinusoidal_positions,
 )
 from .lm import CausalLM, build_lm
@@ -58,6 +61,9 @@ __all__ = [
     "compute_dtype",
     "dense",
     "drop_path",
+    "embedding",
     "layer_norm",
+    "learned_positions",
+    "prepend_cls",
     "sinusoidal_positions",
 ]

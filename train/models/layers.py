@@ -59,6 +59,35 @@ def sinusoidal_positions(length: int, features: int) -> np.ndarray:
     return table
 
 
+def embedding(vocab_size: int, features: int, stddev: float, dtype=None) -> nn.Embed:
+    """``nn.Embed`` named ``embed`` with N(0, stddev^2) init on the ``(vocab, embed)`` axes."""
+    init = nn.initializers.normal(stddev=stddev)
+    return nn.Embed(
+        vocab_size,
+        features,
+        embedding_init=nn.with_logical_partitioning(init, ("vocab", "embed")),
+        dtype=dtype,
+        name="embed",
+    )
+
+
+def learned_positions(module: nn.Module, length: int, features: int):
+    """The learned ``pos_embed`` parameter ``[length, features]`` of `module` (N(0, 0.02^2))."""
+    init = nn.initializers.normal(stddev=0.02)
+    return module.param(
+        "pos_embed", nn.with_logical_partitioning(init, ("length", "embed")), (length, features)
+    )
+
+
+def prepend_cls(module: nn.Module, x):
+    """``[CLS; x]``: `module`'s learned ``cls`` vector (zero init) before the tokens of
+    ``x [B, T, E]`` -> ``[B, 1 + T, E]``."""
+    b, _, e = x.shape
+    init = nn.with_logical_partitioning(nn.initializers.zeros_init(), (None, None, "embed"))
+    cls = jnp.broadcast_to(module.param("cls", init, (1, 1, e)).astype(x.dtype), (b, 1, e))
+    return jnp.concatenate([cls, x], axis=1)
+
+
 class Mlp(nn.Module):
     """``Dense(mlp_dim) -> gelu -> dropout -> Dense(E) -> dropout``: ``[B, T, E] -> [B, T, E]``."""
 
@@ -160,6 +189,9 @@ __all__ = [
     "compute_dtype",
     "dense",
     "drop_path",
+    "embedding",
     "layer_norm",
+    "learned_positions",
+    "prepend_cls",
     "sinusoidal_positions",
 ]

@@ -22,7 +22,15 @@ import jax.numpy as jnp
 
 import linattn_jax as la
 
-from .layers import Block, attention_config_pairs, compute_dtype, dense, layer_norm
+from .layers import (
+    Block,
+    attention_config_pairs,
+    compute_dtype,
+    dense,
+    embedding,
+    layer_norm,
+    learned_positions,
+)
 
 #: byte-level vocabulary: 256 bytes + 1, 0 = pad (`train.data.tokenizers`)
 VOCAB_SIZE = 259
@@ -65,20 +73,8 @@ class CausalLM(nn.Module):
             raise ValueError(f"decode=True takes one token per call, got tokens {tokens.shape}")
         if t > self.max_len:
             raise ValueError(f"tokens length {t} exceeds max_len={self.max_len}")
-        embed = nn.Embed(
-            self.vocab_size,
-            self.emb_dim,
-            embedding_init=nn.with_logical_partitioning(
-                nn.initializers.normal(stddev=0.02), ("vocab", "embed")
-            ),
-            dtype=self.dtype,
-            name="embed",
-        )
-        pos = self.param(
-            "pos_embed",
-            nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), ("length", "embed")),
-            (self.max_len, self.emb_dim),
-        )
+        embed = embedding(self.vocab_size, self.emb_dim, 0.02, self.dtype)
+        pos = learned_positions(self, self.max_len, self.emb_dim)
         if decode:
             initialized = self.has_variable("cache", "position")
             index = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))

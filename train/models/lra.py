@@ -38,7 +38,10 @@ from .layers import (
     attention_config_pairs,
     compute_dtype,
     dense,
+    embedding,
     layer_norm,
+    learned_positions,
+    prepend_cls,
     sinusoidal_positions,
 )
 
@@ -92,33 +95,13 @@ class Encoder(nn.Module):
             raise ValueError(f"pos_emb must be one of {POS_EMBS}, got {self.pos_emb!r}")
         b, t = tokens.shape
         mask = tokens != 0 if self.pad_mask else jnp.ones((b, t), bool)  # [B, T]
-        x = nn.Embed(
-            self.vocab_size,
-            self.emb_dim,
-            embedding_init=nn.with_logical_partitioning(
-                nn.initializers.normal(stddev=1.0), ("vocab", "embed")
-            ),
-            dtype=self.dtype,
-            name="embed",
-        )(tokens)  # [B, T, E]
+        x = embedding(self.vocab_size, self.emb_dim, 1.0, self.dtype)(tokens)  # [B, T, E]
         if self.pooling == "cls":
-            cls = self.param(
-                "cls",
-                nn.with_logical_partitioning(nn.initializers.zeros_init(), (None, None, "embed")),
-                (1, 1, self.emb_dim),
-            )
-            cls = jnp.broadcast_to(cls.astype(x.dtype), (b, 1, self.emb_dim))
-            x = jnp.concatenate([cls, x], axis=1)
+            x = prepend_cls(self, x)
             mask = jnp.concatenate([jnp.ones((b, 1), bool), mask], axis=1)  # CLS attends
         length = x.shape[1]
         if self.pos_emb == "learned":
-            pos = self.param(
-                "pos_embed",
-                nn.with_logical_partitioning(
-                    nn.initializers.normal(stddev=0.02), ("length", "embed")
-                ),
-                (self.max_len + (self.pooling == "cls"), self.emb_dim),
-            )
+            pos = learned_positions(self, self.max_len + (self.pooling == "cls"), self.emb_dim)
         else:
             pos = jnp.asarray(sinusoidal_positions(self.max_len + 1, self.emb_dim))
         x = x + pos[None, :length].astype(x.dtype)

@@ -28,7 +28,14 @@ import jax.numpy as jnp
 import linattn_jax as la
 from train.data.augment import IMAGENET_MEAN, IMAGENET_STD, mix_images
 
-from .layers import Block, compute_dtype, dense, layer_norm
+from .layers import (
+    Block,
+    compute_dtype,
+    dense,
+    layer_norm,
+    learned_positions,
+    prepend_cls,
+)
 
 POOLINGS = ("cls", "mean")
 
@@ -146,18 +153,8 @@ class ViT(nn.Module):
         )(x)  # [B, gh, gw, E]
         b = x.shape[0]
         x = x.reshape(b, gh * gw, self.emb_dim)
-        cls = self.param(
-            "cls",
-            nn.with_logical_partitioning(nn.initializers.zeros_init(), (None, None, "embed")),
-            (1, 1, self.emb_dim),
-        )
-        cls = jnp.broadcast_to(cls.astype(x.dtype), (b, 1, self.emb_dim))
-        x = jnp.concatenate([cls, x], axis=1)
-        pos = self.param(
-            "pos_embed",
-            nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), ("length", "embed")),
-            (1 + gh * gw, self.emb_dim),
-        )
+        x = prepend_cls(self, x)
+        pos = learned_positions(self, 1 + gh * gw, self.emb_dim)
         x = x + pos[None].astype(x.dtype)
         x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
         config = self.block_attention_config()
