@@ -194,6 +194,15 @@ def plot_color(cmap, i: int):
     return cmap((2 * i) % 20 + (i // 10) % 2)
 
 
+def save_figure(fig, path: str) -> None:
+    """`fig`, laid out, to the PNG `path` (110 dpi), then closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_json(result: dict, path: str | None) -> None:
     """`result` to `path` (parent folders made); nothing when `path` is None."""
     if path:

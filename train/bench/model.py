@@ -198,9 +198,7 @@ def plot_model(result: dict, path: str) -> None:
     c = result["config"]
     ax.set_title(f"training step, dual encoder T={c.get('seq_len')}, B={c.get('batch')}")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

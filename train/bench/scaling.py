@@ -336,9 +336,7 @@ def plot_scaling(result: dict, path: str) -> None:
         f"d={result['config']['head_dim']}; backend {env.get('backend')}, "
         f"{env.get('cpu_count')} cores"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------- command line
