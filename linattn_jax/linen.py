@@ -64,6 +64,8 @@ class MultiHeadAttention(nn.Module):
         `seq_axis` (`linattn_jax.parallel.sequence_parallel`; a mechanism it does not
         support raises there).
       seq_axis: the mesh axis that splits the sequence (default ``"seq"``).
+      batch_axes: the mesh axes that split the batch (default: every other mesh axis; a
+        tuple, e.g. a training config's ``data_axes``).
     """
 
     num_heads: int
@@ -79,6 +81,7 @@ class MultiHeadAttention(nn.Module):
     max_len: int = 0
     mesh: Any = None
     seq_axis: str = "seq"
+    batch_axes: Any = None
 
     @nn.compact
     def __call__(self, inputs_q, inputs_kv=None, *, mask=None, causal=False, deterministic=None):
@@ -127,7 +130,9 @@ class MultiHeadAttention(nn.Module):
                 rng = self.make_rng("attention")
             attend = mech.attention
             if self.mesh is not None:
-                attend = parallel.sequence_parallel(mech, self.mesh, self.seq_axis)
+                attend = parallel.sequence_parallel(
+                    mech, self.mesh, self.seq_axis, batch_axes=self.batch_axes
+                )
             out = attend(
                 q, k, v, params, rng, mask=mask, causal=causal, deterministic=deterministic
             )

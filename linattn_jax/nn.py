@@ -57,6 +57,7 @@ class MultiHeadAttention(nnx.Module):
       mesh: optional `jax.sharding.Mesh`: run the attention sequence-parallel over its axis
         `seq_axis` (`linattn_jax.parallel.sequence_parallel`).
       seq_axis: the mesh axis that splits the sequence (default ``"seq"``).
+      batch_axes: the mesh axes that split the batch (default: every other mesh axis).
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class MultiHeadAttention(nnx.Module):
         rngs: nnx.Rngs,
         mesh=None,
         seq_axis: str = "seq",
+        batch_axes=None,
     ):
         qkv_features = qkv_features or in_features
         out_features = out_features or in_features
@@ -85,7 +87,7 @@ class MultiHeadAttention(nnx.Module):
         self.attend = nnx.static(
             self.mech.attention
             if mesh is None
-            else parallel.sequence_parallel(self.mech, mesh, seq_axis)
+            else parallel.sequence_parallel(self.mech, mesh, seq_axis, batch_axes=batch_axes)
         )
         init = nnx.initializers.lecun_normal()
 

@@ -162,7 +162,7 @@ def test_linen_and_nnx_modules_run_sequence_parallel_under_jit():
     mask = jnp.arange(16)[None, :] < jnp.array([[16], [13]])
     cfg = (("num_landmarks", 3),)
     one = la.linen.MultiHeadAttention(num_heads=2, attention="nystromformer", attention_config=cfg)
-    par = one.clone(mesh=mesh, seq_axis="seq")
+    par = one.clone(mesh=mesh, seq_axis="seq", batch_axes=("data",))
     variables = jax.jit(lambda r: one.init({"params": r}, x, mask=mask))(jax.random.key(1))
     want = jax.jit(lambda v, x: one.apply(v, x, mask=mask))(variables, x)
     got = jax.jit(lambda v, x: par.apply(v, x, mask=mask))(variables, x)
