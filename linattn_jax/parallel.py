@@ -28,13 +28,20 @@ T-long tensor of another device:
   ``(w - 1) / 2`` edge rows from the neighbouring devices (``ppermute``), so each device
   must hold at least that many tokens. ``grid`` (2-D landmarks and local branch) is not
   supported (`NotImplementedError`): image sequences are short.
+* **LARA** (non-causal; `linattn_jax.randomized.lara_sharded`): the query and key landmarks
+  come from the same segment sums (``grid`` included), so every device builds the same
+  proposals; the draws are `randomized.lara_noise` of `rng` for the whole batch, made
+  once and split by batch rows, i.e. the one-device call's draws. The key softmax of each
+  sample (its max, normaliser and ``[B, H, N, Dv]`` values f) and the query softmax r of
+  the ``opt`` weights run over the axis; the final weights are per query, local.
 * Every other mechanism (softmax, ra; causal calls of the non-causal ones) raises an error
   naming the supported ones.
 
 The result equals ``mechanism.attention`` on one device to float32 rounding, gradients
-included (tests/test_parallel.py). Random features (performer, rfa) are drawn once from
-`rng` and shared by all devices, so the sharded call and the one-device call with the same
-`rng` use the same features.
+included (tests/test_parallel.py), for causal calls only where the mechanism has a causal
+form (the mechanism's own checks run first, on the whole arrays). Random features
+(performer, rfa) are drawn once from `rng` and shared by all devices, so the sharded call
+and the one-device call with the same `rng` use the same features.
 """
 
 from __future__ import annotations
@@ -227,13 +234,14 @@ def sequence_parallel(
       **config)`` with the contract of ``mechanism.attention``; the output is sharded like q.
 
     Raises:
-      NotImplementedError: the mechanism is not a feature map.
+      NotImplementedError: the mechanism is not one of `supported_names` (at call time: a
+        Nystrom-family ``grid``).
       ValueError: the mesh has no `axis`, or (at call time) T or B do not divide.
     """
     fmap = mechanism.feature_map
     if fmap is None and mechanism.name not in (*_REDUCING, "lara"):
         raise NotImplementedError(
-            f"sequence_parallel supports the feature-map mechanisms {supported_names()}; "
+            f"sequence_parallel supports the mechanisms {supported_names()}; "
             f"{mechanism.name!r} is not one of them"
         )
     batch_axes = (
