@@ -1,4 +1,5 @@
-"""train.lm: recurrent decoding equals the parallel forward, generation, text data, perplexity."""
+"""The causal LM (train.models.lm, train.generate, train.data.text, train.lm): recurrent
+decoding equals the parallel forward, generation, text data, perplexity."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import pytest
 from _helpers import TINY_CLI
 
 import linattn_jax as la
-from train import lm
+from train import generate as gen
+from train import lm, losses, models
 from train.data import DatasetNotFoundError
+from train.data import text as text_data
 
 # Small features and chunks so the parallel causal path crosses chunk boundaries.
 _CONFIG = {
@@ -30,7 +33,7 @@ _CASES.append(("rfa", (("chunk_size", 4), ("gate", True), ("num_features", 16)))
 
 
 def _tiny(attention, config=(), max_len=20, **kw):
-    return lm.CausalLM(
+    return models.CausalLM(
         max_len=max_len,
         num_layers=2,
         emb_dim=16,
@@ -60,16 +63,16 @@ def _trained_like(variables, scale=3.0):
 @pytest.mark.parametrize(("attention", "config"), _CASES, ids=lambda c: str(c))
 def test_recurrent_equals_parallel(attention, config):
     model = _tiny(attention, config)
-    tokens = jax.random.randint(jax.random.key(1), (2, 13), 1, lm.VOCAB_SIZE)
+    tokens = jax.random.randint(jax.random.key(1), (2, 13), 1, text_data.VOCAB_SIZE)
     variables = model.init({"params": jax.random.key(0)}, tokens)
     variables = _trained_like(variables)
     parallel = model.apply(variables, tokens, deterministic=True)
-    recurrent = lm.recurrent_logits(model, variables, tokens)
-    assert recurrent.shape == parallel.shape == (2, 13, lm.VOCAB_SIZE)
+    recurrent = gen.recurrent_logits(model, variables, tokens)
+    assert recurrent.shape == parallel.shape == (2, 13, text_data.VOCAB_SIZE)
     # float32 rounding of differently ordered sums; logits are O(1)
     np.testing.assert_allclose(np.asarray(recurrent), np.asarray(parallel), atol=5e-5, rtol=1e-4)
     # the decoding state of feature-map mechanisms has no length axis (constant memory)
-    cache = lm.init_cache(model, variables, 2)
+    cache = gen.init_cache(model, variables, 2)
     sizes = {x.shape for x in jax.tree.leaves(cache)}
     if la.get(attention).feature_map is not None:
         assert all(20 not in s for s in sizes), sizes
@@ -82,17 +85,17 @@ def test_greedy_generation_matches_parallel_argmax(attention):
     model = _tiny(attention, (("num_features", 16),) if attention != "softmax" else ())
     prompt = jnp.asarray([[5, 9, 77], [100, 3, 42]], jnp.int32)
     variables = _trained_like(model.init({"params": jax.random.key(3)}, prompt))
-    out = lm.generate(model, variables, prompt, 6, jax.random.key(0), temperature=0.0)
+    out = gen.generate(model, variables, prompt, 6, jax.random.key(0), temperature=0.0)
     assert out.shape == (2, 9) and np.array_equal(np.asarray(out[:, :3]), np.asarray(prompt))
     seq = prompt
     for _ in range(6):  # the same continuation by re-running the parallel model
         logits = model.apply(variables, seq)[:, -1].at[:, 0].set(-jnp.inf)
         seq = jnp.concatenate([seq, jnp.argmax(logits, -1)[:, None].astype(jnp.int32)], axis=1)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(seq))
-    sampled = lm.generate(model, variables, prompt, 4, jax.random.key(1), top_k=5)
+    sampled = gen.generate(model, variables, prompt, 4, jax.random.key(1), top_k=5)
     assert sampled.shape == (2, 7) and int(jnp.min(sampled[:, 3:])) >= 1
     with pytest.raises(ValueError, match="max_len"):
-        lm.generate(model, variables, prompt, 30, jax.random.key(0))
+        gen.generate(model, variables, prompt, 30, jax.random.key(0))
 
 
 def test_non_causal_mechanism_rejected():
@@ -113,7 +116,7 @@ def test_text_windows_resumable_and_eval_covers_split(tmp_path):
     text = bytes(range(256)) * 40  # 10240 bytes
     f = tmp_path / "corpus.txt"
     f.write_bytes(text)
-    data = lm.load_text({"path": str(f), "val_fraction": 0.1}, seq_len=16)
+    data = text_data.load_text({"path": str(f), "val_fraction": 0.1}, seq_len=16)
     assert {k: len(v) for k, v in data.splits.items()} == {"train": 8192, "val": 1024, "test": 1024}
     b = data.train_batch(3, 4, seed=7)
     assert b["inputs"].shape == b["targets"].shape == (4, 16)
@@ -137,14 +140,14 @@ def test_text_windows_resumable_and_eval_covers_split(tmp_path):
 
 def test_wikitext_folder_and_missing_data(tmp_path):
     with pytest.raises(DatasetNotFoundError, match="wiki.train.raw"):
-        lm.load_text({"path": str(tmp_path)}, seq_len=8)
+        text_data.load_text({"path": str(tmp_path)}, seq_len=8)
     with pytest.raises(DatasetNotFoundError, match="nope.txt"):
-        lm.load_text({"path": str(tmp_path / "nope.txt")}, seq_len=8)
-    for split, name in lm.WIKITEXT_FILES.items():
+        text_data.load_text({"path": str(tmp_path / "nope.txt")}, seq_len=8)
+    for split, name in text_data.WIKITEXT_FILES.items():
         (tmp_path / name).write_text(f" = {split} = \n" * 10)
-    data = lm.load_text({"path": str(tmp_path)}, seq_len=8)
+    data = text_data.load_text({"path": str(tmp_path)}, seq_len=8)
     assert bytes(np.asarray(data.splits["val"][:9])) == b" = val = "
-    stdlib = lm.load_text({"path": "stdlib", "max_bytes": 50_000}, seq_len=32)
+    stdlib = text_data.load_text({"path": "stdlib", "max_bytes": 50_000}, seq_len=32)
     assert sum(len(v) for v in stdlib.splits.values()) == 50_000
 
 
@@ -170,7 +173,7 @@ def test_perplexity_decreases_on_a_small_corpus(tmp_path):
 
     def ppl(state):
         variables = {"params": state.params, **state.extra}
-        return lm.evaluate_perplexity(trainer.model, variables, data, "val", batch_size=16)
+        return losses.evaluate_perplexity(trainer.model, variables, data, "val", batch_size=16)
 
     before = ppl(state)
     batches = data.train_batches(16, seed=0)
@@ -192,7 +195,7 @@ def test_bfloat16_compute_parallel_and_recurrent(attention):
     and tied logits, 16 ulp of the logits' scale; measured 0.9%-1.1%), and the recurrent
     decoder agrees with the bf16 parallel form to the same bound (measured 0.8%-1.0%)."""
     model = _tiny(attention, _CONFIG.get(attention, ()))
-    tokens = jax.random.randint(jax.random.key(1), (2, 9), 1, lm.VOCAB_SIZE)
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 1, text_data.VOCAB_SIZE)
     variables = _trained_like(model.init({"params": jax.random.key(0)}, tokens))
     m16 = model.clone(dtype=jnp.bfloat16)
     want = model.apply(variables, tokens)
@@ -200,7 +203,7 @@ def test_bfloat16_compute_parallel_and_recurrent(attention):
     assert got.dtype == jnp.float32
     scale, bound = float(jnp.max(jnp.abs(want))), 16 * 2.0**-8
     assert 1e-4 < float(jnp.max(jnp.abs(got - want))) / scale < bound
-    recurrent = lm.recurrent_logits(m16, variables, tokens)
+    recurrent = gen.recurrent_logits(m16, variables, tokens)
     assert recurrent.dtype == jnp.float32
     assert float(jnp.max(jnp.abs(recurrent - got))) / scale < bound
 
