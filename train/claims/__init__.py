@@ -101,7 +101,7 @@ def claim(key: str, *, paper: str, statement: str, experiment: str, kind: str = 
 
 def all_claims() -> dict[str, Claim]:
     """Every claim, in report order (importing the claim modules registers them)."""
-    from train.claims import flexformer, laplacian, randomized, table  # noqa: F401
+    from train.claims import distillation, flexformer, laplacian, randomized, table  # noqa: F401
 
     return dict(sorted(CLAIMS.items(), key=lambda kv: PAPERS.index(kv[1].paper)))
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from train import configs, loop
 from train.claims import (
     NOT_REPRODUCED,
@@ -185,3 +187,93 @@ def laplacian_beats_soft(settings: Settings) -> Finding:
 def lara_trains_better(settings: Settings) -> Finding:
     numbers, verdict, wins, _ = _compare(settings, {t: ("lara", ["performer"]) for t in TASKS})
     return Finding(numbers, verdict, _why(wins, settings.seeds), {"wins": wins})
+
+
+def trained_qk(settings: Settings, task: str, name: str = "softmax", seed: int = 0) -> list:
+    """``[(q, k, mask)]`` per attention layer of the table's trained `name` run on `task`
+    (trained first if absent), on two validation batches; q, k ``[B, T, H, d]``."""
+    from train.distill.capture import capture_attention
+    from train.distill.states import eval_inputs
+
+    one = Settings(seeds=1, quick=settings.quick, workdir=settings.workdir)
+    run_table(one, mechanisms=(name,), tasks=(task,))
+    run_dir = Path(settings.workdir) / "runs" / task / name / f"seed{seed}"
+    trainer, state, _ = loop.restore_run(task_config(task, name, seed, settings.quick), run_dir)
+    variables = loop.eval_variables(state)
+    out = []
+    for inputs in eval_inputs(trainer, 2):
+        calls = capture_attention(trainer.model, variables, *inputs, deterministic=True)
+        out += [(c.q, c.k, c.mask) for c in calls]
+    return out
+
+
+def _distances(q, k, mask):
+    """L1 and squared L2 distances of every valid (query, key) pair of one layer, and the
+    coordinate differences (for the tail weight), as flat float64 arrays (at most 4 sequences
+    of the batch and 128 tokens each, to bound the [T, T, H, d] differences)."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    valid = np.ones(q.shape[:2], bool) if mask is None else np.asarray(mask, bool)
+    d1, d2, diff = [], [], []
+    for b in range(min(4, q.shape[0])):
+        qb, kb = q[b, valid[b]][:128], k[b, valid[b]][:128]  # [T, H, d]
+        delta = qb[:, None] - kb[None]  # [T, T, H, d]
+        d1.append(np.abs(delta).sum(-1).ravel())
+        d2.append((delta**2).sum(-1).ravel())
+        diff.append(delta.ravel())
+    return np.concatenate(d1), np.concatenate(d2), np.concatenate(diff)
+
+
+@claim(
+    "laplacian.mid_range",
+    paper="LaplacianFormer",
+    statement="Query-key distances in trained Transformers are heavy-tailed, and the Gaussian "
+    "kernel over-suppresses mid-range interactions that the Laplace kernel keeps.",
+    experiment="q, k of every layer of the table's trained softmax models (ListOps, Pathfinder; "
+    "seed 0) on validation batches: the kurtosis of the coordinate differences (3 for a "
+    "Gaussian) and, with both kernels scaled to 0.5 at the median distance, their mean value "
+    "on the pairs between the 75th and 95th distance percentiles (Laplace over Gaussian).",
+    kind="train",
+)
+def mid_range(settings: Settings) -> Finding:
+    rows = {}
+    for task in TASKS:
+        kurt, ratio, lap_mid, gau_mid = [], [], [], []
+        for q, k, mask in trained_qk(settings, task):
+            d1, d2, diff = _distances(q, k, mask)
+            z = (diff - diff.mean()) / diff.std()
+            kurt.append(float(np.mean(z**4)))
+            lap = np.exp(-np.log(2) * d1 / np.median(d1))  # 0.5 at the median L1 distance
+            gau = np.exp(-np.log(2) * d2 / np.median(d2))  # 0.5 at the median L2 distance
+            lo, hi = np.percentile(d2, [75, 95])
+            mid = (d2 >= lo) & (d2 <= hi)
+            lap_mid.append(float(lap[mid].mean()))
+            gau_mid.append(float(gau[mid].mean()))
+            ratio.append(lap_mid[-1] / gau_mid[-1])
+        rows[task] = {
+            "kurtosis": float(np.mean(kurt)),
+            "laplace_mid": float(np.mean(lap_mid)),
+            "gaussian_mid": float(np.mean(gau_mid)),
+            "ratio": float(np.mean(ratio)),
+        }
+    heavy = {t: r["kurtosis"] > 3.5 for t, r in rows.items()}
+    keeps = {t: r["ratio"] > 1.5 for t, r in rows.items()}
+    both = [heavy[t] and keeps[t] for t in rows]
+    verdict = (
+        REPRODUCED
+        if all(both)
+        else PARTLY
+        if any(heavy.values()) or any(keeps.values())
+        else NOT_REPRODUCED
+    )
+    numbers = "; ".join(
+        f"{t}: kurtosis {r['kurtosis']:.1f}, mid-range kernel Laplace {r['laplace_mid']:.3f} vs "
+        f"Gaussian {r['gaussian_mid']:.3f} ({r['ratio']:.2f}x)"
+        for t, r in rows.items()
+    )
+    why = (
+        f"Heavy-tailed when the kurtosis is > 3.5 ({heavy}); the Laplace kernel keeps mid-range "
+        f"interactions when its mean value there is > 1.5x the Gaussian's ({keeps}). The seed "
+        "measures vision Transformers (DeiT, PVT, Swin) at ImageNet scale; these are 2-layer "
+        "models trained for minutes, where q, k have had little time to develop outliers."
+    )
+    return Finding(numbers, verdict, why, rows)
