@@ -166,8 +166,8 @@ def train_and_capture(config, steps: int, examples: int, data=None):
     state = trainer.init_state()
     inputs = _example_inputs(trainer.data, trainer.input_keys, examples)
 
-    def grab(st):
-        return capture(trainer.model, {"params": st.params, **st.extra}, *inputs)
+    def grab(st):  # on the host: the train step donates (deletes) the state's buffers
+        return jax.device_get(capture(trainer.model, {"params": st.params, **st.extra}, *inputs))
 
     first = grab(state)
     state, losses = run_steps(trainer, state, steps)
@@ -404,6 +404,12 @@ def _rel_change(a, b, mask):
     return float(jnp.linalg.norm(diff) / jnp.linalg.norm(ref))
 
 
+def _std_ratio(out, v, mask):
+    """``std(out) / std(v)`` over the valid rows."""
+    rows = np.ones(v.shape[:2], bool) if mask is None else np.asarray(mask)
+    return float(np.std(np.asarray(out)[rows]) / np.std(np.asarray(v)[rows]))
+
+
 def _jit_attention(mech, **static):
     """``(q, k, v, params, mask) -> out`` of `mech` with `static` config, jitted."""
     return jax.jit(lambda q, k, v, p, mask: mech.attention(q, k, v, p, mask=mask, **static))
@@ -462,9 +468,30 @@ def laplacian_stats(captures, mech_config: dict, *, iters=NS_ITERS, landmarks=(T
             outs = {n: f(cap.q, cap.k, cap.v, cap.params, cap.mask) for n, f in runs.items()}
             for n in ("triple", "exact"):
                 agg[n] = max(agg[n], _rel_change(outs["base"], outs[n], cap.mask))
+            agg["scale"] = max(agg.get("scale", 0.0), _std_ratio(outs["base"], cap.v, cap.mask))
         res["landmarks"]["shared" if shared else "separate"] = agg
     res["ns_iters"] = cfg["ns_iters"]
+    res["soft"] = soft_iteration_change(captures, cfg)
     return res
+
+
+def soft_iteration_change(captures, lap_cfg):
+    """``{"triple", "exact"}``: SOFT's output change from its default Newton-Schulz count to
+    three times as many and to the exact inverse, on the same q, k, v (same landmarks)."""
+    mech = la.get("soft")
+    iters = mech.defaults["ns_iters"]
+    static = dict(grid=lap_cfg["grid"], num_landmarks=lap_cfg["num_landmarks"])
+    runs = {
+        "base": _jit_attention(mech, ns_iters=iters, **static),
+        "triple": _jit_attention(mech, ns_iters=3 * iters, **static),
+        "exact": _jit_attention(mech, inverse="exact", **static),
+    }
+    out = {"triple": 0.0, "exact": 0.0, "ns_iters": iters}
+    for cap in captures:
+        outs = {n: f(cap.q, cap.k, cap.v, {}, cap.mask) for n, f in runs.items()}
+        for n in ("triple", "exact"):
+            out[n] = max(out[n], _rel_change(outs["base"], outs[n], cap.mask))
+    return out
 
 
 def laplacian_model_captures(task: str, preset: str, examples: int):
@@ -507,8 +534,8 @@ def laplacian_section(examples: int) -> str:
         "",
         "| model | landmarks | sigma_min(A) | sigma_max(A) | "
         + " | ".join(f"NS {k}" for k in NS_ITERS)
-        + " | output x3 iters | output vs exact |",
-        "|---" * (6 + len(NS_ITERS)) + "|",
+        + " | output x3 iters | output vs exact | std(out) / std(v) |",
+        "|---" * (7 + len(NS_ITERS)) + "|",
     ]
     for task, preset in _LAP_WORKLOADS:
         caps, mech_config = laplacian_model_captures(task, preset, examples)
@@ -523,8 +550,14 @@ def laplacian_section(examples: int) -> str:
             res = " | ".join(f"{agg['residual'][k]:.1e}" for k in NS_ITERS)
             cond.append(
                 f"| {name} | {kind} | {agg['sigma_min']:.1e} | {agg['sigma_max']:.1f} | {res} | "
-                f"{agg['triple']:.1e} | {agg['exact']:.1e} |"
+                f"{agg['triple']:.1e} | {agg['exact']:.1e} | {agg['scale']:.1f} |"
             )
+        soft = r["soft"]
+        dash = " | ".join("-" for _ in range(2 + len(NS_ITERS)))
+        cond.append(
+            f"| {name} | soft (ns_iters {soft['ns_iters']}) | {dash} | {soft['triple']:.1e} | "
+            f"{soft['exact']:.1e} | - |"
+        )
         print(f"  {name}: done", flush=True)
     tail = ["", f"(default ns_iters = {r['ns_iters']}; x3 = {3 * r['ns_iters']} iterations)"]
     return "\n".join(head + cond + tail)
@@ -564,7 +597,8 @@ def main(argv=None) -> str:
     if "stability" in sections:
         _ensure_devices(argv)
     start = time.time()
-    parts = [f"`python -m train.bench_activations {' '.join(argv)}`".replace(" `", "`")]
+    shown = " ".join(a for a in argv if a != "--out" and a != args.out)  # --out: a copy only
+    parts = [f"`python -m train.bench_activations {shown}`".replace(" `", "`")]
     for section in sections:
         print(f"[{section}] ...", flush=True)
         if section == "denominators":
@@ -573,10 +607,11 @@ def main(argv=None) -> str:
             parts.append(stability_section(args.stability_steps))
         else:
             parts.append(laplacian_section(args.examples))
+        print(parts[-1], flush=True)  # each table as soon as it is done
     parts.append(f"({time.time() - start:.0f} s on {jax.device_count()} x "
                  f"{jax.devices()[0].platform})")  # fmt: skip
     text = "\n\n".join(parts)
-    print(text, flush=True)
+    print("\n" + text, flush=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
