@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import linattn_jax as la
 from linattn_jax import flexformer as ff
@@ -91,16 +92,18 @@ def test_mock_image_task_batches():
     assert set(np.asarray(task.train_batch(1, 20, seed=0)["targets"])) == {0, 1, 2, 3}
 
 
+@pytest.mark.slow  # four Trainer compiles (~35 s idle); test_flexformer's mesh test is the fast one
 def test_flexformer_n_mesh_spread_within_k_times_softmax():
     """Issue 19: with the default features, sharding changes flexformer_n's loss no more than
-    softmax's (up to a factor and the rounding floor). The raw map (qk_radius=None) broke
-    this: 4% of the ListOps loss in 30 steps, softmax 0. Tiny encoder, 1 device vs (2, 4)."""
+    softmax's (up to a factor and the rounding floor; issue 19 saw the raw map, qk_radius=None,
+    amplify it). Tiny encoder, 1 device vs a (2, 4) mesh (measured: 1.2e-7 vs 2.4e-7)."""
     from test_train import tiny_config, toy_task
 
     assert jax.device_count() >= 8, "conftest fakes 8 CPU devices"
     config = tiny_config("softmax")
     config.learning_rate = 1e-2
-    res = ba.stability(config, ("flexformer_n", "softmax"), steps=6, seeds=(0,),
+    config.model.num_layers = 1
+    res = ba.stability(config, ("flexformer_n", "softmax"), steps=4, seeds=(0,),
                        meshes=((1, 1), (2, 4)), data=toy_task())  # fmt: skip
     flex, soft = (ba.spread(res[n]["meshes"])[1] for n in ("flexformer_n", "softmax"))
     print(f"mesh max-min: flexformer_n {flex:.2e}, softmax {soft:.2e}")
