@@ -89,3 +89,36 @@ def test_table_config_applies_the_budget():
     assert (c.data.min_length, c.data.max_length, c.data.seq_len) == (100, 300, 320)
     assert c.seed == 2 and c.num_train_steps == 800 and c.attention == "performer"
     assert table.task_config("listops", "softmax", 0, quick=True).num_train_steps == 4
+
+
+def _fake_runs(root, accs, steps=4):
+    """Finished table runs (summary.json only) with the given test accuracies."""
+    for (task, name, seed), acc in accs.items():
+        run = root / "runs" / task / name / f"seed{seed}"
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"steps": steps, "test": {"accuracy": acc}}))
+
+
+def test_table_claims_read_finished_runs_and_skip_unlearned_tasks(tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        table, "TASKS", {"listops": table.TASKS["listops"], "pathfinder": ("mini", {})}
+    )
+    accs = {}
+    for seed, jitter in enumerate((0.0, 0.01)):
+        accs |= {
+            ("listops", "softmax", seed): 0.40 + jitter,
+            ("listops", "laplacian", seed): 0.38 + jitter,
+            ("listops", "soft", seed): 0.30 + jitter,
+            ("pathfinder", "softmax", seed): 0.50 + jitter,  # chance: not testable
+            ("pathfinder", "laplacian", seed): 0.52,
+            ("pathfinder", "soft", seed): 0.50,
+        }
+    _fake_runs(tmp_path, accs)
+    settings = claims.Settings(seeds=2, quick=True, workdir=tmp_path)
+    monkeypatch.setattr(table, "MECHANISMS", ("softmax", "laplacian", "soft"))
+    got = table.run_table(settings)  # reads the summaries, trains nothing
+    assert got["listops"]["laplacian"] == [0.38, 0.39]
+    finding = table.laplacian_beats_soft(settings)
+    assert finding.verdict == claims.REPRODUCED and finding.data["wins"] == {"listops": True}
+    assert "pathfinder: skipped" in finding.numbers
+    assert table.equal_budget(settings).verdict == claims.PARTLY  # softmax learns 1 of 2
