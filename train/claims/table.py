@@ -72,12 +72,13 @@ def task_config(task: str, mechanism: str, seed: int, quick: bool = False):
     return config
 
 
-def run_table(settings: Settings, mechanisms=MECHANISMS, tasks=tuple(TASKS)) -> dict:
-    """``{task: {mechanism: [test accuracy per seed]}}``, training what is not finished."""
+def run_table(settings: Settings, mechanisms=None, tasks=None) -> dict:
+    """``{task: {mechanism: [test accuracy per seed]}}`` (default: every `MECHANISMS` on
+    every `TASKS`), training what is not finished."""
     out: dict[str, dict[str, list[float]]] = {}
-    for task in tasks:
+    for task in tasks or tuple(TASKS):
         out[task] = {}
-        for name in mechanisms:
+        for name in mechanisms or MECHANISMS:
             accs = []
             for seed in range(settings.seeds):
                 run_dir = Path(settings.workdir) / "runs" / task / name / f"seed{seed}"
