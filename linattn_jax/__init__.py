@@ -23,13 +23,14 @@ from linattn_jax import flexformer  # noqa: F401  (flexformer_s, flexformer_n)
 from linattn_jax import nystrom  # noqa: F401  (nystromformer, soft, laplacian)
 from linattn_jax import randomized  # noqa: F401  (ra, lara)
 # isort: on
-from linattn_jax import linen, nn, parallel  # noqa: E402
+from linattn_jax import landmarks, linen, nn, parallel  # noqa: E402
 
 __all__ = [
     "Mechanism",
     "causal_names",
     "core",
     "get",
+    "landmarks",
     "linen",
     "names",
     "nn",

@@ -32,21 +32,14 @@ ENTRY_POINTS = {
     "train/lm.py",
     "train/vision.py",
     "train/results.py",
-    "train/bench_activations.py",
 }
 
 #: Files over the line limit that other issues own, with why (agreed exceptions only).
-LONG_FILE_EXCEPTIONS = {
-    "train/data/pathfinder.py": "the Pathfinder generator (issue 15's); to split (lead to agree)",
-    "train/bench_activations.py": "issue 19's new bench, 621 lines; to split (lead to agree)",
-}
+LONG_FILE_EXCEPTIONS: dict[str, str] = {}
 
 #: Modules that read mechanism internals beyond ``la.get`` / ``la.core`` / ``la.linen``
 #: (agreed exceptions only): module -> the linattn_jax submodules it imports.
-LINATTN_EXCEPTIONS = {
-    # issue 19's activation study calls the Nystrom / Flexformer internals it measures
-    "train/bench_activations.py": {"linattn_jax.landmarks", "linattn_jax.flexformer"},
-}
+LINATTN_EXCEPTIONS: dict[str, set[str]] = {}
 
 #: ``train.configs`` modules that may import one named ``train`` module (agreed exceptions).
 CONFIG_IMPORT_EXCEPTIONS = {
