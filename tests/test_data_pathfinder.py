@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from train.data import DatasetNotFoundError, get_task, pathfinder
+from train.data import DatasetNotFoundError, get_task, pathfinder, snakes
 
 FULL_SAMPLE = dataclasses.replace(pathfinder.FULL, num_train=160, num_val=20, num_test=20)
 MINI_SAMPLE = dataclasses.replace(pathfinder.MINI, num_train=160, num_val=20, num_test=20)
@@ -45,7 +45,7 @@ def test_render_is_antialiased():
     spec = pathfinder.FULL
     seg = np.array([[[[5.0, 3.0], [5.0, 5.0]], [[20.0, 20.0], [20.0, 20.0]]]])
     values = np.array([[0.75, 0.75], [1.5, 1.0]])
-    img = pathfinder._render(spec, seg, values)[0].astype(int)
+    img = snakes._render(spec, seg, values)[0].astype(int)
     assert img[5, 4] == round(0.75 * 255) and img[6, 4] == round(0.25 * 0.75 * 255)
     assert img[7, 4] == 0 and img[5, 6] == round(0.25 * 0.75 * 255)
     assert img[20, 20] == 255 and img[21, 21] == round((2.0 - np.sqrt(2)) * 255)
@@ -116,18 +116,18 @@ def test_contours_follow_the_construction():
     # tips (where markers go) `marker_separation` (Linsley's non-overlapping masks)
     flat = mains.reshape(n, -1, 2, 2)
     a_tail, a_head = mains[:, 0, :, 0], mains[:, 0, :, 1]
-    assert pathfinder._body_gap(a_tail, a_head, mains[:, 1]).min() > spec.separation
+    assert snakes._body_gap(a_tail, a_head, mains[:, 1]).min() > spec.separation
     drawn = dis[..., 0, 0] < 1e3
     assert drawn.mean() > 0.9
     d_tail, d_head = dis[..., 0, :].reshape(n, -1, 2), dis[..., 1, :].reshape(n, -1, 2)
-    gap = pathfinder._body_gap(d_tail, d_head, flat).reshape(drawn.shape)
+    gap = snakes._body_gap(d_tail, d_head, flat).reshape(drawn.shape)
     assert gap[drawn].min() > spec.separation
     tips = np.concatenate([mains[:, :, 0, 0], mains[:, :, -1, 1]], axis=1)
-    tip_gap = pathfinder._body_gap(d_tail, d_head, np.repeat(tips[:, :, None], 2, axis=2))
+    tip_gap = snakes._body_gap(d_tail, d_head, np.repeat(tips[:, :, None], 2, axis=2))
     assert tip_gap.reshape(drawn.shape)[drawn].min() > spec.marker_separation
     # ... but distractors may touch and cross each other (ink overlaps in many images)
     other = np.concatenate([dis[:, 1:], dis[:, :1]], axis=1).reshape(n, -1, 2, 2)
-    near = pathfinder._body_gap(d_tail[:, :4], d_head[:, :4], other) < spec.paddle_thickness
+    near = snakes._body_gap(d_tail[:, :4], d_head[:, :4], other) < spec.paddle_thickness
     assert near.any(axis=1).mean() > 0.05
 
 
