@@ -42,10 +42,7 @@ LONG_FILE_EXCEPTIONS: dict[str, str] = {}
 LINATTN_EXCEPTIONS: dict[str, set[str]] = {}
 
 #: ``train.configs`` modules that may import one named ``train`` module (agreed exceptions).
-CONFIG_IMPORT_EXCEPTIONS = {
-    # the generator's fields and presets are read from its spec dataclass (owner: pathfinder)
-    "train/configs/pathfinder.py": {"train.data.pathfinder"},
-}
+CONFIG_IMPORT_EXCEPTIONS: dict[str, set[str]] = {}
 
 ALLOWED_LINATTN = {"linattn_jax", "linattn_jax.core", "linattn_jax.linen"}
 

@@ -8,8 +8,8 @@ mask (images). 1024 tokens (32x32). Data: our snakes generator at LRA's "hard" s
 (``data.difficulty``: ``easy`` / ``intermediate`` / ``hard`` = contour length 6 / 9 / 14),
 or LRA's released images with ``data.source='lra'``.
 ``pathx``: the same model and schedule on 128x128 images (16384 tokens) drawn with
-``train.data.pathfinder.PATHX``.
-``mini``: ``train.data.pathfinder.MINI`` (12x12 images, 144 tokens, 8000 train; main
+``train.configs.pathfinder_spec.PATHX``.
+``mini``: ``train.configs.pathfinder_spec.MINI`` (12x12 images, 144 tokens, 8000 train; main
 contours of 3 paddles, no distractors: the easiest setting whose labels no cheap feature
 predicts), 2 layers, width 64, 4 heads, mean pooling, 500 steps (the README reports what
 a budget reaches).
@@ -25,12 +25,11 @@ import dataclasses
 import ml_collections
 
 from train.configs import default
+from train.configs.pathfinder_spec import FULL, PATHX, PathfinderSpec
 
 
 def _spec_fields(c: ml_collections.ConfigDict) -> None:
     """``data.<field>`` = None (the variant's value) for every generator field."""
-    from train.data.pathfinder import PathfinderSpec
-
     kinds = {"int": int, "float": float}
     c.data.difficulty = "hard"
     for f in dataclasses.fields(PathfinderSpec):
@@ -52,8 +51,6 @@ def get_config(preset: str = "full"):
         raise ValueError(f"pathfinder presets: 'mini', 'full', 'pathx'; got {preset!r}")
     c.data.variant = "full"
     if preset == "pathx":
-        from train.data.pathfinder import FULL, PATHX
-
         for f in dataclasses.fields(PATHX):
             if getattr(PATHX, f.name) != getattr(FULL, f.name):
                 c.data[f.name] = getattr(PATHX, f.name)
