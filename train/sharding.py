@@ -3,7 +3,11 @@
 * The mesh: ``Mesh(np.array(jax.devices()).reshape(config.mesh_shape), config.mesh_axes)``
   (one ``-1`` in the shape takes the remaining devices). No pmap anywhere.
 * Batches: the leading (batch) dimension is split over ``config.data_axes`` (by default
-  both mesh axes), everything else replicated.
+  both mesh axes; axes the mesh lacks are skipped), everything else replicated.
+* Long sequences: a mesh axis named ``"seq"`` (e.g. ``--set mesh_axes=data,seq --set
+  mesh_shape=2,4``) also splits the token dimension of ``[B, T, ...]`` batch arrays, and the
+  models run their attention sequence-parallel over it (`train.models.layers.Block`).
+  Parameters stay replicated over ``seq`` (checkpoints are unchanged).
 * Parameters: modules annotate parameters with logical axis names
   (``nn.with_logical_partitioning``); ``config.logical_axis_rules`` maps them to mesh axes,
   e.g. ``embed -> fsdp`` shards every ``[.., embed, ..]`` parameter (and its Adam moments)
@@ -21,6 +25,9 @@ import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+#: the mesh axis that splits the sequence (token) dimension
+SEQ_AXIS = "seq"
 
 
 def mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
@@ -59,6 +66,35 @@ def rules(config) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
     return tuple(out)
 
 
+def data_axes(mesh: Mesh, config) -> tuple[str, ...]:
+    """The axes of ``config.data_axes`` that `mesh` has (the batch is split over them).
+
+    Raises:
+      ValueError: ``data_axes`` names the sequence axis ``"seq"``.
+    """
+    if SEQ_AXIS in tuple(config.data_axes):
+        raise ValueError(
+            f"data_axes {tuple(config.data_axes)} must not contain the sequence axis "
+            f"{SEQ_AXIS!r} (it splits the tokens, not the batch)"
+        )
+    return tuple(a for a in config.data_axes if a in mesh.axis_names)
+
+
+def input_shardings(mesh: Mesh, config, example) -> dict[str, NamedSharding]:
+    """Per key of the batch `example` (arrays or shapes): the batch dimension over the data
+    axes and, when the mesh has a ``"seq"`` axis that divides it, the token dimension of
+    ``[B, T, ...]`` arrays over ``seq``."""
+    base = batch_sharding(mesh, config)
+    if SEQ_AXIS not in mesh.axis_names:
+        return {k: base for k in example}
+    n = mesh.shape[SEQ_AXIS]
+    split = NamedSharding(mesh, PartitionSpec(data_axes(mesh, config) or None, SEQ_AXIS))
+    return {
+        k: split if len(np.shape(v)) >= 2 and np.shape(v)[1] % n == 0 else base
+        for k, v in example.items()
+    }
+
+
 def batch_sharding(mesh: Mesh, config) -> NamedSharding:
     """Batch dimension over ``config.data_axes``, the rest replicated.
 
@@ -66,7 +102,7 @@ def batch_sharding(mesh: Mesh, config) -> NamedSharding:
       ValueError: ``batch_size`` or ``eval_batch_size`` is not a multiple of the number of
         devices the data axes span.
     """
-    axes = tuple(config.data_axes)
+    axes = data_axes(mesh, config)
     ways = int(np.prod([mesh.shape[a] for a in axes]))
     for key in ("batch_size", "eval_batch_size"):
         size = config.get(key)
@@ -89,6 +125,9 @@ def _fit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSp
     out = []
     for dim, entry in zip(shape, entries[: len(shape)]):
         names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        if any(n not in mesh.shape for n in names):  # e.g. "fsdp" on a (data, seq) mesh
+            out.append(None)
+            continue
         size = math.prod(mesh.shape[n] for n in names)
         out.append(entry if names and dim % size == 0 else None)
     return PartitionSpec(*out)
@@ -110,16 +149,23 @@ def logical_shardings(abstract_tree, mesh: Mesh, axis_rules):
     )
 
 
-def global_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """Process-local numpy rows -> global arrays sharded along the batch dimension."""
+def global_batch(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+    """Process-local numpy rows -> global arrays sharded along the batch dimension
+    (`sharding`: one NamedSharding, or a dict of them by key)."""
     return {
-        k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()
+        k: jax.make_array_from_process_local_data(
+            sharding[k] if isinstance(sharding, dict) else sharding, np.asarray(v)
+        )
+        for k, v in batch.items()
     }
 
 
 __all__ = [
+    "SEQ_AXIS",
     "batch_sharding",
+    "data_axes",
     "global_batch",
+    "input_shardings",
     "logical_shardings",
     "make_mesh",
     "mesh_shape",

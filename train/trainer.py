@@ -21,6 +21,7 @@ import optax
 
 from train import checkpoint as ckpt_lib
 from train import sharding as shard_lib
+from train.models.layers import sequence_parallel_model
 from train.workloads import get_workload
 
 log = logging.getLogger(__name__)
@@ -191,9 +192,17 @@ class Trainer:
         root = jax.random.key(int(config.seed))
         self.init_key, self.train_key = jax.random.split(root)
         self.batch_sharding = shard_lib.batch_sharding(self.mesh, config)
+        self.input_shardings = shard_lib.input_shardings(self.mesh, config, self.example)
         self.replicated = shard_lib.replicated(self.mesh)
+        self.init_model = self.model  # init on one example row: never sequence-parallel
+        if shard_lib.SEQ_AXIS in self.mesh.axis_names:
+            self.model = sequence_parallel_model(
+                self.model, self.mesh, shard_lib.data_axes(self.mesh, config)
+            )
         self._setup_state()
         self._setup_steps()
+        if shard_lib.SEQ_AXIS in self.mesh.axis_names:
+            self._check_sequence_parallel()
 
     # -------------------------------------------------------------- init / shardings
     def _example_batch(self) -> dict[str, np.ndarray]:
@@ -212,7 +221,7 @@ class Trainer:
     def _init_variables(self, key):
         k_params, k_dropout, k_attn = jax.random.split(key, 3)
         rngs = {"params": k_params, "dropout": k_dropout, "attention": k_attn}
-        return self.model.init(rngs, *self._dummy_inputs(), deterministic=True)
+        return self.init_model.init(rngs, *self._dummy_inputs(), deterministic=True)
 
     def _setup_state(self):
         abstract_vars = jax.eval_shape(self._init_variables, self.init_key)  # boxed
@@ -248,6 +257,21 @@ class Trainer:
 
         self._init = jax.jit(init, out_shardings=self.state_shardings)
         self.abstract_state = jax.eval_shape(init, self.init_key)
+
+    def _check_sequence_parallel(self):
+        """Trace the train step on abstract inputs: T (or T + 1 with a CLS token) must
+        divide by the size of the mesh axis ``seq``."""
+        n = self.mesh.shape[shard_lib.SEQ_AXIS]
+        try:
+            jax.eval_shape(self._train_step, self.abstract_sharded_state(), self.batch_spec())
+        except ValueError as err:
+            if "sequence_parallel" not in str(err):
+                raise
+            shapes = {k: v.shape for k, v in self.example.items()}
+            raise ValueError(
+                f"mesh axis 'seq' of {n} devices: the attention length (data.seq_len, + 1 "
+                f"with a CLS token) must divide by {n} (batch {shapes}): {err}"
+            ) from err
 
     def init_state(self) -> TrainState:
         """A fresh, sharded train state (deterministic in ``config.seed``)."""
@@ -300,7 +324,7 @@ class Trainer:
         return {k: jnp.stack([s, c]) for k, (s, c) in terms.items()}
 
     def _batch_shardings(self, keys):
-        return {k: self.batch_sharding for k in keys}
+        return {k: self.input_shardings.get(k, self.batch_sharding) for k in keys}
 
     def _setup_steps(self):
         self.train_step = jax.jit(
@@ -324,7 +348,7 @@ class Trainer:
         procs = jax.process_count()
         return {
             k: jax.ShapeDtypeStruct(
-                (v.shape[0] * procs, *v.shape[1:]), v.dtype, sharding=self.batch_sharding
+                (v.shape[0] * procs, *v.shape[1:]), v.dtype, sharding=self.input_shardings[k]
             )
             for k, v in self.example.items()
         }
@@ -338,7 +362,7 @@ class Trainer:
     def to_global(self, batch: Mapping[str, np.ndarray], keys=None) -> dict[str, jax.Array]:
         """Local numpy rows of ``keys`` (default: the training keys) -> global sharded arrays."""
         keys = self.train_keys if keys is None else keys
-        return shard_lib.global_batch({k: batch[k] for k in keys}, self.batch_sharding)
+        return shard_lib.global_batch({k: batch[k] for k in keys}, self._batch_shardings(keys))
 
     # -------------------------------------------------------------- evaluation
     def eval_params(self, state: TrainState):

@@ -101,6 +101,8 @@ def get_config() -> ml_collections.ConfigDict:
     # --- sharding (jax.sharding.Mesh over all devices; no pmap)
     c.mesh_shape = (-1, 1)  # devices per mesh axis; one -1 takes the remaining devices
     c.mesh_axes = ("data", "fsdp")  # mesh axis names: batch over both, params over "fsdp"
+    # a "seq" axis splits the tokens, attention sequence-parallel (LM, LRA encoders), e.g.
+    # --set 'mesh_axes=("data","seq")' --set 'mesh_shape=(2,4)'; T must divide by its size
     c.data_axes = ("data", "fsdp")  # mesh axes the batch dimension is split over
     # logical axis name -> mesh axis (or None = replicated); parameters carry logical names
     # (embed, heads, kv, mlp, vocab, classes) via nn.with_logical_partitioning.

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from linattn_jax import get as la_get
+from linattn_jax import parallel
 from linattn_jax.linen import MultiHeadAttention
 
 
@@ -130,6 +132,9 @@ class Block(nn.Module):
         (`linattn_jax.linen.MultiHeadAttention`'s decode mode; same parameters).
       max_len: the KV-cache length of mechanisms without a feature map (decode only).
       dtype: computation dtype.
+      mesh, seq_axis, batch_axes: with a mesh (not in decode mode), the attention runs
+        sequence-parallel over its axis `seq_axis`, the batch over `batch_axes`
+        (`linattn_jax.parallel.sequence_parallel`; same parameters as without).
     """
 
     num_heads: int
@@ -143,6 +148,9 @@ class Block(nn.Module):
     decode: bool = False
     max_len: int = 0
     dtype: Any = None
+    mesh: Any = None
+    seq_axis: str = "seq"
+    batch_axes: Any = None
 
     @nn.compact
     def __call__(self, x, mask=None, *, deterministic: bool = True):
@@ -155,6 +163,9 @@ class Block(nn.Module):
             dtype=self.dtype,
             decode=self.decode,
             max_len=self.max_len,
+            mesh=None if self.decode else self.mesh,
+            seq_axis=self.seq_axis,
+            batch_axes=self.batch_axes,
             name="attention",
         )(y, mask=mask, causal=self.causal, deterministic=deterministic)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
@@ -163,6 +174,33 @@ class Block(nn.Module):
             layer_norm("ln_mlp", self.dtype)(x), deterministic=deterministic
         )
         return x + drop_path(self, y, self.drop_path_rate, deterministic)
+
+
+def sequence_parallel_model(model: nn.Module, mesh, batch_axes) -> nn.Module:
+    """`model` (a `CausalLM`, or an LRA classifier with its ``encoder``) with its attention
+    sequence-parallel over the mesh axis ``"seq"`` of `mesh`, the batch over `batch_axes`.
+
+    Same parameters as `model`. Raises:
+      ValueError: the model has no sequence-parallel attention (e.g. the ViT), or its
+        mechanism is not one `linattn_jax.parallel.sequence_parallel` supports.
+    """
+    target = model.encoder if hasattr(model, "encoder") else model
+    if not hasattr(target, "mesh"):
+        raise ValueError(
+            f"a 'seq' mesh axis needs a model with sequence-parallel attention (the causal "
+            f"LM, the LRA encoders); {type(model).__name__} has none: drop 'seq' from mesh_axes"
+        )
+    mech = la_get(target.attention)
+    causal = not hasattr(model, "encoder")  # the LM
+    if target.attention not in parallel.supported_names() or (causal and mech.feature_map is None):
+        names = [n for n in parallel.supported_names() if not causal or la_get(n).feature_map]
+        raise ValueError(
+            f"attention={target.attention!r} does not run sequence-parallel "
+            f"({'causal' if causal else 'non-causal'}) over a 'seq' mesh axis; use one of "
+            f"{names} or drop 'seq' from mesh_axes"
+        )
+    target = target.clone(mesh=mesh, batch_axes=tuple(batch_axes))
+    return model.clone(encoder=target) if hasattr(model, "encoder") else target
 
 
 def attention_config_pairs(config) -> tuple:
@@ -193,5 +231,6 @@ __all__ = [
     "layer_norm",
     "learned_positions",
     "prepend_cls",
+    "sequence_parallel_model",
     "sinusoidal_positions",
 ]

@@ -43,6 +43,8 @@ class CausalLM(nn.Module):
     With ``decode=True`` tokens are ``[B, 1]``: one step of recurrent decoding (the caller
     makes the ``cache`` collection mutable; see `init_cache`, `decode_step`). ``dtype``: the
     computation dtype (``jnp.bfloat16`` for mixed precision; params stay float32).
+    ``mesh`` / ``batch_axes``: the attention runs sequence-parallel over the mesh axis
+    ``"seq"`` (`train.models.layers.Block`; not in decode mode).
     """
 
     vocab_size: int = VOCAB_SIZE
@@ -57,6 +59,8 @@ class CausalLM(nn.Module):
     dropout_rate: float = 0.0
     tie_embeddings: bool = True
     dtype: Any = None
+    mesh: Any = None
+    batch_axes: Any = None
 
     @nn.compact
     def __call__(self, tokens, *, deterministic: bool = True, decode: bool = False):
@@ -98,6 +102,8 @@ class CausalLM(nn.Module):
                 decode=decode,
                 max_len=self.max_len,
                 dtype=self.dtype,
+                mesh=self.mesh,
+                batch_axes=self.batch_axes,
                 name=f"block_{i}",
             )(x, deterministic=deterministic)
         x = layer_norm("ln_final", self.dtype)(x)

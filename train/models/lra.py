@@ -64,6 +64,8 @@ class Encoder(nn.Module):
       tied_layers: share one block across all layers.
       dtype: computation dtype (None: float32 from the params; ``jnp.bfloat16`` for mixed
         precision). Parameters are float32 either way.
+      mesh, batch_axes: the attention runs sequence-parallel over the mesh axis ``"seq"``
+        (`train.models.layers.Block`); T (+1 with the CLS token) must divide by its size.
     """
 
     vocab_size: int
@@ -81,6 +83,8 @@ class Encoder(nn.Module):
     pad_mask: bool = True
     tied_layers: bool = False
     dtype: Any = None
+    mesh: Any = None
+    batch_axes: Any = None
 
     @nn.compact
     def __call__(self, tokens, *, deterministic: bool):
@@ -116,6 +120,8 @@ class Encoder(nn.Module):
                 attention_config=self.attention_config,
                 dropout_rate=self.dropout_rate,
                 dtype=self.dtype,
+                mesh=self.mesh,
+                batch_axes=self.batch_axes,
                 name=name,
             )
 
