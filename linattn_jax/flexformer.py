@@ -80,11 +80,11 @@ them alone: this is the fixed-kernel RFF softmax estimator the seed compares
 against. ``init_method="orthogonal"`` draws the frequencies as stacked
 orthogonal blocks with chi-distributed row norms
 (`linattn_jax.performer.orthogonal_features`), still marginally ``N(0, I)`` per
-row, so the estimator stays unbiased with lower variance. ``pair_jitter``
-(``flexformer_n`` init only, default 0 = the exact init above) perturbs
-``omega2``: the paired features are symmetric in ``omega1 <-> omega2``, so from
-the tied init gradient training keeps the pair tied and only ``tau`` moves the
-kernel; a small jitter lets the pair separate (see `init_n`).
+row, so the estimator stays unbiased with lower variance. ``pair_init``
+and ``pair_jitter`` (``flexformer_n`` init only; default ``"jitter"`` with 0.1, the
+init above) set ``omega2``: ``"tied"`` is the exact ``flexformer_s`` init, which
+gradient training never leaves (the features are symmetric in ``omega1 <->
+omega2``), ``"independent"`` a second draw (see `init_n`).
 
 Both are deterministic (``stochastic=False``): ``rng`` and ``deterministic`` are
 ignored. Public helpers: `feature_map_s` / `feature_map_n` (the stabilised
