@@ -122,3 +122,9 @@ def test_table_claims_read_finished_runs_and_skip_unlearned_tasks(tmp_path, monk
     assert finding.verdict == claims.REPRODUCED and finding.data["wins"] == {"listops": True}
     assert "pathfinder: skipped" in finding.numbers
     assert table.equal_budget(settings).verdict == claims.PARTLY  # softmax learns 1 of 2
+
+
+def test_grade():
+    assert claims.grade(True, True) == claims.REPRODUCED
+    assert claims.grade(True, False) == claims.PARTLY
+    assert claims.grade(False, False) == claims.NOT_REPRODUCED

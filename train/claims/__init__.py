@@ -223,6 +223,12 @@ def report(settings: Settings) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def grade(*checks: bool) -> str:
+    """The verdict of a claim tested by several checks: reproduced when all hold, partly when
+    some do, not reproduced when none does."""
+    return REPRODUCED if all(checks) else PARTLY if any(checks) else NOT_REPRODUCED
+
+
 def mean_std(xs: Iterable[float]) -> tuple[float, float]:
     """Mean and (population) standard deviation."""
     xs = [float(x) for x in xs]

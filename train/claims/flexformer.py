@@ -9,13 +9,11 @@ import numpy as np
 
 import linattn_jax as la
 from train.claims import (
-    NOT_REPRODUCED,
-    PARTLY,
-    REPRODUCED,
     Finding,
     Settings,
     claim,
     fit_slope,
+    grade,
 )
 
 _D, _T, _SCALE = 16, 64, 0.5
@@ -79,7 +77,7 @@ def init_rate(settings: Settings) -> Finding:
         errs[m] = float(np.mean(e))
     slope = fit_slope(errs, errs.values())
     rate = -0.65 < slope < -0.35
-    verdict = REPRODUCED if unbiased and rate else PARTLY if unbiased or rate else NOT_REPRODUCED
+    verdict = grade(unbiased, rate)
     numbers = (
         f"bias: max |z| {np.max(np.abs(z)):.2f} over {z.size} weights ({draws} draws), mean z "
         f"{z.mean():+.3f}; error at M = "
@@ -119,7 +117,7 @@ def n_more_expressive(settings: Settings) -> Finding:
         return a["fitted"] + a["fitted_std"] < b["fitted"] - b["fitted_std"]
 
     n_lt_s, s_lt_p = apart(n, s), apart(s, p)
-    verdict = REPRODUCED if n_lt_s and s_lt_p else PARTLY if n_lt_s or s_lt_p else NOT_REPRODUCED
+    verdict = grade(n_lt_s, s_lt_p)
     numbers = "; ".join(f"{m} {r['fitted']:.3f} +- {r['fitted_std']:.3f}" for m, r in rows.items())
     why = (
         "An order counts when the means differ by more than the two standard deviations "
@@ -165,7 +163,7 @@ def efficiency(settings: Settings) -> Finding:
     }
     speed, saved = rows["flexformer_n"]
     fast, lean = speed >= 2.6, saved >= 0.84
-    verdict = REPRODUCED if fast and lean else PARTLY if fast or lean else NOT_REPRODUCED
+    verdict = grade(fast, lean)
     numbers = "; ".join(
         f"{n} {s:.2f}x faster, {100 * m:.0f}% less memory" for n, (s, m) in rows.items()
     )

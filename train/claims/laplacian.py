@@ -18,6 +18,7 @@ from train.claims import (
     Settings,
     claim,
     fit_slope,
+    grade,
 )
 
 
@@ -157,9 +158,7 @@ def injective(settings: Settings) -> Finding:
             gaps[normalize] += [float(x) for x in rel]
     row_max, inj_min = max(gaps["row"]), min(gaps["injective"])
     merged, separated = row_max < 1e-4, inj_min > 1e-3
-    verdict = (
-        REPRODUCED if merged and separated else PARTLY if merged or separated else NOT_REPRODUCED
-    )
+    verdict = grade(merged, separated)
     numbers = (
         f"relative output difference of {len(gaps['row'])} such pairs: row normalisation max "
         f"{row_max:.1e}; injective min {inj_min:.1e} (median {np.median(gaps['injective']):.2f})"

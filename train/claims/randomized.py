@@ -8,7 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 
 import linattn_jax as la
-from train.claims import NOT_REPRODUCED, PARTLY, REPRODUCED, Finding, Settings, claim, fit_slope
+from train.claims import (
+    NOT_REPRODUCED,
+    PARTLY,
+    REPRODUCED,
+    Finding,
+    Settings,
+    claim,
+    fit_slope,
+    grade,
+)
 
 _T, _D = 32, 8
 
@@ -59,7 +68,7 @@ def ra_unbiased(settings: Settings) -> Finding:
     slope = fit_slope(errs, errs.values())
     unbiased = float(np.max(np.abs(z))) < 4.5
     rate = -0.65 < slope < -0.35
-    verdict = REPRODUCED if unbiased and rate else PARTLY if unbiased or rate else NOT_REPRODUCED
+    verdict = grade(unbiased, rate)
     numbers = (
         f"max |z| {np.max(np.abs(z)):.2f} over {z.size} entries ({n} draws); RMS error of the "
         "mean at N = "
