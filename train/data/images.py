@@ -28,12 +28,12 @@ from .augment import (
     resize,
 )
 from .errors import DatasetNotFoundError
-from .pipeline import check_process, iterate_from, shuffle_seed
+from .pipeline import SplitAccess, check_process, iterate_from, shuffle_seed
 from .tfds_tasks import open_source, tfds_data_dir
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ImageTask:
+class ImageTask(SplitAccess):
     """An image classification data set with the ``train.data.Task`` batch API.
 
     Batches: ``inputs`` uint8 ``[B, H, W, C]`` pixels (or, with ``flatten=True``, int32
@@ -81,17 +81,6 @@ class ImageTask:
     def seq_len(self) -> int:
         """Length of a flattened image (what the loop's dummy inputs are sized by)."""
         return self.image_size[0] * self.image_size[1] * self.channels
-
-    def source(self, split: str):
-        if split not in self.splits:
-            raise KeyError(f"task {self.name!r} has no split {split!r}; has {list(self.splits)}")
-        return self.splits[split]
-
-    def num_examples(self, split: str) -> int:
-        return len(self.source(split))
-
-    def steps_per_epoch(self, batch_size: int | None = None, split: str = "train") -> int:
-        return self.num_examples(split) // (batch_size or self.batch_size)
 
     # -------------------------------------------------------------- per-example transforms
     def _finish(self, img: np.ndarray, label) -> dict[str, np.ndarray]:

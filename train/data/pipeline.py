@@ -137,8 +137,31 @@ def check_process(batch_size: int, process_index: int, process_count: int) -> in
     return batch_size // process_count
 
 
+class SplitAccess:
+    """Split lookup shared by `Task` and `train.data.images.ImageTask`: both are frozen
+    dataclasses with ``name``, ``splits`` (split name -> `Source`) and ``batch_size``."""
+
+    name: str
+    splits: Mapping[str, Source]
+    batch_size: int
+
+    def source(self, split: str) -> Source:
+        """The random-access source of ``split``; a clear error names the known splits."""
+        if split not in self.splits:
+            raise KeyError(f"task {self.name!r} has no split {split!r}; has {list(self.splits)}")
+        return self.splits[split]
+
+    def num_examples(self, split: str) -> int:
+        return len(self.source(split))
+
+    def steps_per_epoch(self, batch_size: int | None = None, split: str = "train") -> int:
+        """Number of full global batches in one pass over ``split``."""
+        batch_size = self.batch_size if batch_size is None else batch_size
+        return self.num_examples(split) // batch_size
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class Task:
+class Task(SplitAccess):
     """One LRA task: its splits and the facts a model needs.
 
     Attributes:
@@ -172,20 +195,6 @@ class Task:
     def input_keys(self) -> tuple[str, ...]:
         """The token keys of a batch: ``("inputs",)`` or ``("inputs1", "inputs2")``."""
         return ("inputs1", "inputs2") if self.is_pair else ("inputs",)
-
-    def source(self, split: str) -> Source:
-        """The random-access source of ``split``; a clear error names the known splits."""
-        if split not in self.splits:
-            raise KeyError(f"task {self.name!r} has no split {split!r}; has {list(self.splits)}")
-        return self.splits[split]
-
-    def num_examples(self, split: str) -> int:
-        return len(self.source(split))
-
-    def steps_per_epoch(self, batch_size: int | None = None, split: str = "train") -> int:
-        """Number of full global batches in one pass over ``split``."""
-        batch_size = self.batch_size if batch_size is None else batch_size
-        return self.num_examples(split) // batch_size
 
     # ---------------------------------------------------------------- training stream
     def train_dataset(
