@@ -50,7 +50,9 @@ def test_random_inputs_finite_outputs_and_grads(case):
         )
         return jnp.sum(out.astype(jnp.float32) ** 2), out
 
-    (val, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+    # jitted, as in training (one compile per example; op-by-op eager dispatch recompiled each
+    # of hundreds of primitives for every new shape: ~5x slower on CPU)
+    (val, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
         q, k, v, params
     )
     assert out.shape == (b, t, h, d) and out.dtype == dtype
