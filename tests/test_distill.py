@@ -175,9 +175,19 @@ def _marks(n, seed, rule):
     return [{"image": imgs[i], "label": labels[i]} for i in range(n)]
 
 
+class _Examples(list):
+    """A split's records that print as their count: grain names each transform of the
+    training stream by its repr, which includes the task's, and numpy would format every
+    pixel of the 2,512 small images (measured: 45 s per stream on the loaded 2-core box, two
+    streams per trained run)."""
+
+    def __repr__(self):
+        return f"<{len(self)} examples>"
+
+
 def _task(rule):
     splits = {
-        s: _marks(n, i, rule)
+        s: _Examples(_marks(n, i, rule))
         for i, (s, n) in enumerate((("train", 2000), ("val", 256), ("test", 256)))
     }
     return ImageTask("marks_" + rule, splits, 4, (16, 16), augment="none")
