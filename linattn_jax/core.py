@@ -17,6 +17,17 @@ into ``[B, Tq, H, Dv]`` outputs:
 
 Accumulation is float32 whatever the input dtype. Denominators are guarded by
 `guard_denominator`, so a query whose keys are all masked returns zeros.
+
+Relative denominator floor (``den_floor = gamma > 0``). Features that can be negative
+(trigonometric random features) give denominators that can cancel to near zero while the
+terms they sum are not small: the normalised weights of such a row have an l1 norm far
+above 1 and the output is a large multiple of v. Given the key-mass channel (the last
+feature column: 0 for queries and ``|phi(k_j)|`` for keys, `mass_channel`), every path
+also accumulates ``m_i = |phi(q_i)| sum_j w_ij |phi(k_j)|`` (same weights w_ij: mask,
+causality, decay, key scale), which bounds ``|den_i| <= m_i`` (Cauchy-Schwarz), and
+raises ``|den_i|`` to at least ``gamma m_i`` keeping its sign. The l1 norm of every
+normalised weight row is then at most ``1 / gamma``; rows with ``|den_i| >= gamma m_i`` are
+unchanged bit for bit.
 """
 
 from __future__ import annotations
@@ -36,16 +47,63 @@ DENOMINATOR_EPS = 1e-6
 _f32 = jnp.float32
 
 
-def guard_denominator(den, eps: float = DENOMINATOR_EPS):
+def guard_denominator(den, eps: float = DENOMINATOR_EPS, floor=None):
     """Pushes ``|den| <= eps`` away from zero: ``den + 2 eps sign(den)`` (sign(0) := +1).
 
     This is the Performer sin/cos variant's guard: it leaves every well-scaled
     denominator unchanged, works for features that can be negative (trigonometric
     random features), and makes an all-zero row (every key masked) divide its
-    zero numerator by ``2 eps`` instead of 0.
+    zero numerator by ``2 eps`` instead of 0. With `floor` (an array broadcasting
+    against `den`, >= 0; the relative floor of the module docstring) ``|den|`` is first
+    raised to at least `floor`, keeping its sign.
     """
     sign = jnp.where(den < 0, -1.0, 1.0).astype(den.dtype)
+    if floor is not None:
+        den = jnp.where(jnp.abs(den) < floor, sign * floor, den)
     return jnp.where(jnp.abs(den) <= eps, den + 2 * eps * sign, den)
+
+
+def mass_channel(phi, *, is_query: bool):
+    """`phi` ``[..., M]`` with the key-mass channel appended (``[..., M + 1]``): a column of
+    zeros for queries (dot products are unchanged) and ``|phi|`` for keys. A feature map
+    with a relative denominator floor (`FeatureMap.den_floor`) returns its features so."""
+    phi = phi.astype(_f32)
+    extra = (
+        jnp.zeros_like(phi[..., :1])
+        if is_query
+        else jnp.sqrt(jnp.sum(phi * phi, axis=-1, keepdims=True))
+    )
+    return jnp.concatenate([phi, extra], axis=-1)
+
+
+def denominator_floor(phi_q, mass, den_floor):
+    """The relative floor ``gamma |phi(q_i)| mass_i`` of `guard_denominator` (None when
+    `den_floor` is 0); `phi_q` ``[B, Tq, H, M]``, `mass` broadcasting as ``[B, Tq, H]`` (the
+    mass channel summed under the denominator's weights)."""
+    if not den_floor:
+        return None
+    return den_floor * jnp.sqrt(jnp.sum(phi_q * phi_q, axis=-1)) * mass
+
+
+def _split_mass(phi_q, phi_k, den_floor):
+    """``(phi_q, phi_k, mass)``: the features without the mass channel and the channel
+    ``[B, Tk, H]`` (None without a floor). The main sums then run on exactly the features
+    of the unfloored call, so rows above the floor come out bit for bit the same."""
+    if not den_floor:
+        return phi_q, phi_k, None
+    return phi_q[..., :-1], phi_k[..., :-1], phi_k[..., -1]
+
+
+def _check_floor(den_floor, phi_k):
+    if not den_floor:
+        return
+    if not 0.0 < den_floor < 1.0:
+        raise ValueError(f"den_floor must be in [0, 1), got {den_floor!r}")
+    if phi_k.shape[-1] < 2:
+        raise ValueError(
+            f"den_floor > 0 needs key features with the mass channel (`mass_channel`), got "
+            f"phi_k {tuple(phi_k.shape)}"
+        )
 
 
 def masked_max(x, mask, axis):
@@ -83,6 +141,7 @@ def linear_attention(
     log_decay=None,
     key_log_scale=None,
     eps: float = DENOMINATOR_EPS,
+    den_floor: float = 0.0,
 ):
     """Normalised linear attention from feature maps.
 
@@ -101,10 +160,13 @@ def linear_attention(
         unmasked keys when non-causal and as a running max over keys j <= i when
         causal, so no query's normaliser ever depends on future keys.
       eps: denominator guard, see `guard_denominator`.
+      den_floor: the relative denominator floor gamma in [0, 1) (module docstring); when
+        > 0 the last feature column must be the key-mass channel (`mass_channel`).
 
     Returns:
       ``[B, Tq, H, Dv]`` float32.
     """
+    _check_floor(den_floor, phi_k)
     phi_q, phi_k, v = phi_q.astype(_f32), phi_k.astype(_f32), v.astype(_f32)
     phi_k = _apply_key_mask(phi_k, mask)
     ns = _masked_log_scale(key_log_scale, mask, phi_k.shape[:3])
@@ -113,15 +175,18 @@ def linear_attention(
     if not causal:
         if log_decay is not None:
             raise ValueError("linear_attention: log_decay needs causal=True")
-        phi_k = (
-            phi_k * jnp.exp(ns - lax.stop_gradient(jnp.max(ns, axis=1, keepdims=True)))[..., None]
-        )
+        phi_q, phi_k, mass = _split_mass(phi_q, phi_k, den_floor)
+        wk = jnp.exp(ns - lax.stop_gradient(jnp.max(ns, axis=1, keepdims=True)))  # [B, Tk, H]
+        phi_k = phi_k * wk[..., None]
         kv = jnp.einsum("bthm,bthd->bhmd", phi_k, v)  # [B, H, M, Dv]
         z = jnp.sum(phi_k, axis=1)  # [B, H, M]
         num = jnp.einsum("bthm,bhmd->bthd", phi_q, kv)
         den = jnp.einsum("bthm,bhm->bth", phi_q, z)
-        return num / guard_denominator(den, eps)[..., None]
-    return _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps)[0]
+        floor = None
+        if mass is not None:
+            floor = denominator_floor(phi_q, jnp.sum(mass * wk, axis=1)[:, None], den_floor)
+        return num / guard_denominator(den, eps, floor)[..., None]
+    return _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps, den_floor=den_floor)[0]
 
 
 def causal_linear_attention_from(
@@ -135,16 +200,20 @@ def causal_linear_attention_from(
     log_decay=None,
     key_log_scale=None,
     eps: float = DENOMINATOR_EPS,
+    den_floor: float = 0.0,
 ):
     """Causal `linear_attention` continuing from `initial_state` (a `RecurrentState` of
     the keys that precede this block, e.g. on earlier devices); returns ``(out, state)``
     with the state after the block's keys. With an empty initial state
     (`recurrent_init`) the output equals ``linear_attention(..., causal=True)``.
     """
+    _check_floor(den_floor, phi_k)
     phi_q, phi_k, v = phi_q.astype(_f32), phi_k.astype(_f32), v.astype(_f32)
     phi_k = _apply_key_mask(phi_k, mask)
     ns = _masked_log_scale(key_log_scale, mask, phi_k.shape[:3])
-    return _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps, initial_state)
+    return _causal_chunked(
+        phi_q, phi_k, v, chunk_size, log_decay, ns, eps, initial_state, den_floor=den_floor
+    )
 
 
 def block_state(phi_k, v, *, mask=None, log_decay=None, key_log_scale=None):
@@ -191,9 +260,16 @@ def _masked_log_scale(key_log_scale, mask, shape):
     return ns
 
 
-def _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps, initial_state=None):
+def _causal_chunked(
+    phi_q, phi_k, v, chunk_size, log_decay, ns, eps, initial_state=None, *, den_floor=0.0
+):
     """``(out [B, T, H, Dv], final RecurrentState)``; `initial_state` is the state of the
-    keys before this sequence (default: none)."""
+    keys before this sequence (default: none). With `den_floor` the mass channel is
+    carried apart (``zm``) and the state's z keeps it as its last column; the state's s
+    row of that channel is returned as zeros (queries, 0 there, never read it)."""
+    phi_q, phi_k, mass = _split_mass(phi_q, phi_k, den_floor)
+    if mass is None:
+        mass = jnp.zeros(phi_k.shape[:3], _f32)  # carried, never read
     b, t, h, m = phi_q.shape
     dv = v.shape[-1]
     c = min(chunk_size, t)
@@ -206,7 +282,7 @@ def _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps, initial_sta
         # Padded keys have zero features and zero decay; padded queries are dropped.
         widths = ((0, 0), (0, pad), (0, 0), (0, 0))
         phi_q, phi_k, v = (jnp.pad(x, widths) for x in (phi_q, phi_k, v))
-        log_decay = jnp.pad(log_decay, widths[:3])
+        log_decay, mass = jnp.pad(log_decay, widths[:3]), jnp.pad(mass, widths[:3])
         ns = jnp.pad(ns, widths[:3], constant_values=_NEG)
 
     def chunks(x):  # [B, n*c, ...] -> [n, B, c, ...]
@@ -219,8 +295,8 @@ def _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps, initial_sta
     def step(carry, xs):
         # State before this chunk, kept relative to the running key max mp:
         # s = sum_j exp(n_j - mp) phi(k_j) v_j^T  [B, H, M, Dv], z likewise [B, H, M].
-        s, z, mp = carry
-        pq, pk, vc, gc, nc = xs
+        s, z, zm, mp = carry
+        pq, pk, vc, gc, nc, mc = xs
         # Running max of the key log-scales up to each position (detached; it cancels).
         cm = lax.stop_gradient(jnp.maximum(mp[:, None, :], lax.cummax(nc, axis=1)))  # [B, c, H]
         # Intra-chunk weights exp(G_i - G_j + n_j - cm_i) for j <= i (all <= 1).
@@ -231,10 +307,15 @@ def _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps, initial_sta
         num = jnp.einsum("bhij,bjhd->bihd", scores, vc)
         den = jnp.sum(scores, axis=-1).transpose(0, 2, 1)  # [B, c, H]
         # Inter-chunk: the carried state decayed to position i by exp(G_i), rescaled to cm_i.
-        pq_dec = pq * jnp.exp(gc + mp[:, None, :] - cm)[..., None]
+        carry_scale = jnp.exp(gc + mp[:, None, :] - cm)  # [B, c, H]
+        pq_dec = pq * carry_scale[..., None]
         num = num + jnp.einsum("bihm,bhmd->bihd", pq_dec, s)
         den = den + jnp.einsum("bihm,bhm->bih", pq_dec, z)
-        out = num / guard_denominator(den, eps)[..., None]
+        floor = None
+        if den_floor:  # the mass channel under the same weights
+            mass_i = jnp.einsum("bhij,bjh->bih", weight, mc) + carry_scale * zm[:, None, :]
+            floor = denominator_floor(pq, mass_i, den_floor)
+        out = num / guard_denominator(den, eps, floor)[..., None]
         # State after the chunk: old state decayed by exp(G_last), new keys by
         # exp(G_last - G_j), all relative to the new running max.
         g_last, m_new = gc[:, -1], cm[:, -1]  # [B, H]
@@ -242,13 +323,24 @@ def _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps, initial_sta
         old = jnp.exp(g_last + mp - m_new)
         s = s * old[..., None, None] + jnp.einsum("bjhm,bjhd->bhmd", pk * w, vc)
         z = z * old[..., None] + jnp.sum(pk * w, axis=1)
-        return (s, z, m_new), out
+        zm = zm * old + jnp.sum(mc * w[..., 0], axis=1)
+        return (s, z, zm, m_new), out
 
-    init = recurrent_init(b, h, m, dv) if initial_state is None else initial_state
-    xs = (chunks(phi_q), chunks(phi_k), chunks(v), g, chunks(ns))
-    final, out = lax.scan(step, tuple(init), xs)
+    if initial_state is None:
+        s0, z0, c0 = recurrent_init(b, h, m, dv)
+        zm0 = jnp.zeros((b, h), _f32)
+    elif den_floor:
+        s0, z0, c0 = initial_state.s[..., :-1, :], initial_state.z[..., :-1], initial_state.c
+        zm0 = initial_state.z[..., -1]
+    else:
+        (s0, z0, c0), zm0 = initial_state, jnp.zeros((b, h), _f32)
+    xs = (chunks(phi_q), chunks(phi_k), chunks(v), g, chunks(ns), chunks(mass))
+    (s, z, zm, c_last), out = lax.scan(step, (s0, z0, zm0, c0), xs)
     out = jnp.moveaxis(out, 0, 1).reshape(b, n * c, h, dv)
-    return out[:, :t], RecurrentState(*final)
+    if den_floor:
+        s = jnp.concatenate([s, jnp.zeros_like(s[..., :1, :])], axis=-2)
+        z = jnp.concatenate([z, zm[..., None]], axis=-1)
+    return out[:, :t], RecurrentState(s, z, c_last)
 
 
 def quadratic_reference(
@@ -261,6 +353,7 @@ def quadratic_reference(
     log_decay=None,
     key_log_scale=None,
     eps=DENOMINATOR_EPS,
+    den_floor: float = 0.0,
 ):
     """The naive quadratic form of `linear_attention`: materialises ``[B, H, Tq, Tk]``.
 
@@ -269,25 +362,31 @@ def quadratic_reference(
     ``exp(G_i - G_j)``; ``out = A V / guard(rowsum A)``. Same arguments and result
     as `linear_attention`.
     """
+    _check_floor(den_floor, phi_k)
     phi_q, phi_k, v = phi_q.astype(_f32), phi_k.astype(_f32), v.astype(_f32)
     phi_k = _apply_key_mask(phi_k, mask)
     ns = _masked_log_scale(key_log_scale, mask, phi_k.shape[:3]).transpose(0, 2, 1)  # [B, H, T]
-    a = jnp.einsum("bihm,bjhm->bhij", phi_q, phi_k)
     if causal:
-        t = a.shape[-1]
+        t = ns.shape[-1]
         tril = jnp.tril(jnp.ones((t, t), bool))
         c = lax.stop_gradient(lax.cummax(ns, axis=2))  # running max over j <= i
         logw = ns[..., None, :] - c[..., :, None]
         if log_decay is not None:
             g = jnp.cumsum(log_decay.astype(_f32), axis=1).transpose(0, 2, 1)  # [B, H, T]
             logw = logw + g[..., :, None] - g[..., None, :]
-        a = jnp.where(tril, a * jnp.exp(jnp.where(tril, logw, 0.0)), 0.0)
+        w = jnp.where(tril, jnp.exp(jnp.where(tril, logw, 0.0)), 0.0)  # [B, H, Tq, Tk]
     else:
         c = lax.stop_gradient(jnp.max(ns, axis=-1, keepdims=True))
-        a = a * jnp.exp(ns - c)[..., None, :]
+        w = jnp.exp(ns - c)[..., None, :]
+    phi_q, phi_k, mass = _split_mass(phi_q, phi_k, den_floor)
+    a = jnp.einsum("bihm,bjhm->bhij", phi_q, phi_k) * w
     num = jnp.einsum("bhij,bjhd->bihd", a, v)
     den = jnp.sum(a, axis=-1).transpose(0, 2, 1)
-    return num / guard_denominator(den, eps)[..., None]
+    floor = None
+    if mass is not None:
+        mass = jnp.sum(w * mass.transpose(0, 2, 1)[:, :, None, :], axis=-1)  # [B, H, Tq]
+        floor = denominator_floor(phi_q, mass.transpose(0, 2, 1), den_floor)
+    return num / guard_denominator(den, eps, floor)[..., None]
 
 
 def attend(
@@ -302,13 +401,20 @@ def attend(
     log_decay=None,
     key_log_scale=None,
     quadratic=False,
+    den_floor=0.0,
 ):
     """`linear_attention` (or, with ``quadratic=True``, `quadratic_reference`) cast to `dtype`.
 
     The one call every feature-map mechanism ends with, so its fast path and its
     reference differ only in this flag.
     """
-    kw = dict(mask=mask, causal=causal, log_decay=log_decay, key_log_scale=key_log_scale)
+    kw = dict(
+        mask=mask,
+        causal=causal,
+        log_decay=log_decay,
+        key_log_scale=key_log_scale,
+        den_floor=den_floor,
+    )
     if quadratic:
         out = quadratic_reference(phi_q, phi_k, v, **kw)
     else:
@@ -316,15 +422,27 @@ def attend(
     return out.astype(dtype)
 
 
-def normalized_weights(phi_q, phi_k, *, mask=None, causal: bool = False, eps=DENOMINATOR_EPS):
+def normalized_weights(
+    phi_q, phi_k, *, mask=None, causal: bool = False, eps=DENOMINATOR_EPS, den_floor=0.0
+):
     """The effective attention weights ``A / rowsum A`` as ``[B, H, Tq, Tk]`` (for inspection,
-    plots and distillation; quadratic memory)."""
+    plots and distillation; quadratic memory); `den_floor` as in `linear_attention`."""
+    _check_floor(den_floor, phi_k)
     phi_q, phi_k = phi_q.astype(_f32), _apply_key_mask(phi_k.astype(_f32), mask)
     a = jnp.einsum("bihm,bjhm->bhij", phi_q, phi_k)
+    visible = jnp.ones(a.shape[-2:], bool)
     if causal:
-        t = a.shape[-1]
-        a = jnp.where(jnp.tril(jnp.ones((t, t), bool)), a, 0.0)
-    return a / guard_denominator(jnp.sum(a, axis=-1, keepdims=True), eps)
+        visible = jnp.tril(visible)
+        a = jnp.where(visible, a, 0.0)
+    floor = None
+    if den_floor:
+        mass = jnp.sum(
+            jnp.where(visible, phi_k[..., -1].transpose(0, 2, 1)[:, :, None, :], 0.0), -1
+        )
+        floor = denominator_floor(phi_q, mass.transpose(0, 2, 1), den_floor).transpose(0, 2, 1)[
+            ..., None
+        ]
+    return a / guard_denominator(jnp.sum(a, axis=-1, keepdims=True), eps, floor)
 
 
 def scale_inputs(x):
@@ -376,6 +494,9 @@ class FeatureMap:
       key_fn: ``(k, params, **config) -> KeyFeatures``.
       draw_fn: ``(params, rng, **config) -> params`` with freshly drawn random features
         (the redraw of a stochastic mechanism when ``deterministic=False``), or None.
+      floor_fn: ``(**config) -> float``, the relative denominator floor gamma of this map
+        (`den_floor`; when > 0 the features carry the key-mass channel, `mass_channel`),
+        or None (no floor). Every caller of the core passes it on.
       config: config values (the mechanism's bound config); each function receives the
         keys it declares as keyword-only parameters.
     """
@@ -383,6 +504,7 @@ class FeatureMap:
     query_fn: Callable[..., Any]
     key_fn: Callable[..., KeyFeatures]
     draw_fn: Callable[..., Any] | None = None
+    floor_fn: Callable[..., float] | None = None
     config: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     def bind(self, **config) -> FeatureMap:
@@ -399,6 +521,10 @@ class FeatureMap:
     def key(self, k, params, **config) -> KeyFeatures:
         """Key features with their log scale and log decay."""
         return KeyFeatures(*self._call(self.key_fn, k, params, **config))
+
+    def den_floor(self, **config) -> float:
+        """The relative denominator floor gamma (0.0: none) to pass to the core."""
+        return 0.0 if self.floor_fn is None else float(self._call(self.floor_fn, **config))
 
     def resolve(self, params, rng=None, *, deterministic: bool = False, **config):
         """The params one call uses: `params` itself when deterministic (or when nothing is
@@ -437,6 +563,7 @@ def attend_features(
         log_decay=keys.log_decay,
         key_log_scale=keys.log_scale,
         quadratic=quadratic,
+        den_floor=fmap.den_floor(**config),
     )
 
 
@@ -463,7 +590,9 @@ def recurrent_init(batch: int, num_heads: int, num_features: int, value_dim: int
     )
 
 
-def recurrent_step(state: RecurrentState, phi_q, keys: KeyFeatures, v, eps=DENOMINATOR_EPS):
+def recurrent_step(
+    state: RecurrentState, phi_q, keys: KeyFeatures, v, eps=DENOMINATOR_EPS, den_floor=0.0
+):
     """One token of causal linear attention: ``(out [B, 1, H, Dv] float32, new state)``.
 
     Args:
@@ -471,7 +600,9 @@ def recurrent_step(state: RecurrentState, phi_q, keys: KeyFeatures, v, eps=DENOM
       phi_q: ``[B, 1, H, M]`` the token's query features.
       keys: the token's `KeyFeatures` (``[B, 1, H, M]``, log scale / decay ``[B, 1, H]``).
       v: ``[B, 1, H, Dv]`` its value.
+      eps, den_floor: as in `linear_attention`.
     """
+    _check_floor(den_floor, keys.phi)
     s, z, c = state
     b = keys.phi[:, 0].astype(_f32)  # [B, H, M]
     n = jnp.zeros_like(c) if keys.log_scale is None else keys.log_scale[:, 0].astype(_f32)
@@ -485,7 +616,7 @@ def recurrent_step(state: RecurrentState, phi_q, keys: KeyFeatures, v, eps=DENOM
     pq = phi_q[:, 0].astype(_f32)
     num = jnp.einsum("bhm,bhmd->bhd", pq, s)
     den = jnp.einsum("bhm,bhm->bh", pq, z)
-    out = num / guard_denominator(den, eps)[..., None]
+    out = num / guard_denominator(den, eps, denominator_floor(pq, z[..., -1], den_floor))[..., None]
     return out[:, None], RecurrentState(s, z, c_new)
 
 
@@ -501,6 +632,8 @@ __all__ = [
     "recurrent_init",
     "recurrent_step",
     "guard_denominator",
+    "mass_channel",
+    "denominator_floor",
     "masked_max",
     "key_mask",
     "linear_attention",

@@ -110,6 +110,7 @@ _INIT_METHODS = ("gaussian", "orthogonal")
 _PAIR_INITS = ("jitter", "tied", "independent")
 PAIR_JITTER = 0.1  # default flexformer_n pair jitter (see init_n)
 QK_RADIUS = 1.0  # default |q^| = |k^| before the map (module docstring, "Stability")
+DEN_FLOOR = 0.05  # default relative denominator floor (module docstring, "Stability")
 
 
 def _draw_frequencies(rng, num_heads, num_features, head_dim, init_method):
@@ -342,28 +343,48 @@ def _feature_map(variant):
     norm factor cancels in the ratio), keys the same with the log norm factor as their
     log scale (stabilised by the core)."""
 
-    def query(q, params, *, qk_radius=QK_RADIUS):
-        return _parts(variant, q, params, qk_radius)[1]
+    def query(q, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR):
+        phi = _parts(variant, q, params, qk_radius)[1]
+        return core.mass_channel(phi, is_query=True) if den_floor else phi
 
-    def key(k, params, *, qk_radius=QK_RADIUS):
+    def key(k, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR):
         s, phi = _parts(variant, k, params, qk_radius)
+        phi = core.mass_channel(phi, is_query=False) if den_floor else phi
         return core.KeyFeatures(phi, s[..., 0])
 
-    return core.FeatureMap(query_fn=query, key_fn=key)
+    def floor(*, den_floor=DEN_FLOOR):
+        return den_floor
+
+    return core.FeatureMap(query_fn=query, key_fn=key, floor_fn=floor)
 
 
 FEATURE_MAPS = {"flexformer_s": _feature_map("s"), "flexformer_n": _feature_map("n")}
 
 
-def _check_radius(name, radius):
-    if radius is None:
-        return
-    if isinstance(radius, bool) or not isinstance(radius, int | float) or not radius > 0:
+def _check_radius(name, radius, den_floor):
+    if radius is not None and (
+        isinstance(radius, bool) or not isinstance(radius, int | float) or not radius > 0
+    ):
         raise ValueError(f"{name}: qk_radius must be a float > 0 or None, got {radius!r}")
+    if isinstance(den_floor, bool) or not isinstance(den_floor, int | float):
+        raise ValueError(f"{name}: den_floor must be a float in [0, 1), got {den_floor!r}")
+    if not 0.0 <= den_floor < 1.0:
+        raise ValueError(f"{name}: den_floor must be a float in [0, 1), got {den_floor!r}")
 
 
 def _attend(
-    name, q, k, v, params, mask, causal, chunk_size, learn_frequencies, quadratic, radius=None
+    name,
+    q,
+    k,
+    v,
+    params,
+    mask,
+    causal,
+    chunk_size,
+    learn_frequencies,
+    quadratic,
+    radius=None,
+    den_floor=0.0,
 ):
     _checks.check_inputs(name, q, k, v, mask, causal=causal)
     _checks.check_positive(name, chunk_size=chunk_size)
@@ -371,7 +392,7 @@ def _attend(
     freq_keys = ("omega",) if name == "flexformer_s" else ("omega1", "omega2")
     extra = None if name == "flexformer_s" else {"tau": (h,)}
     _check_freqs(name, params, freq_keys, h, d, extra)
-    _check_radius(name, radius)
+    _check_radius(name, radius, den_floor)
     params = dict(params)
     if not learn_frequencies:
         for key in freq_keys:
@@ -387,6 +408,7 @@ def _attend(
         chunk_size=chunk_size,
         quadratic=quadratic,
         qk_radius=radius,
+        den_floor=den_floor,
     )
 
 
@@ -407,10 +429,22 @@ def _attention_fn(name: str, *, quadratic: bool, doc: str):
         chunk_size=64,
         learn_frequencies=True,
         qk_radius=QK_RADIUS,
+        den_floor=DEN_FLOOR,
     ):
         del rng, deterministic
         return _attend(
-            name, q, k, v, params, mask, causal, chunk_size, learn_frequencies, quadratic, qk_radius
+            name,
+            q,
+            k,
+            v,
+            params,
+            mask,
+            causal,
+            chunk_size,
+            learn_frequencies,
+            quadratic,
+            qk_radius,
+            den_floor,
         )
 
     fn_name = ("reference_" if quadratic else "attention_") + name[-1]

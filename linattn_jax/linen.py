@@ -154,7 +154,7 @@ class MultiHeadAttention(nn.Module):
         if fmap is not None:
             phi_q, keys = fmap.query(q, params), fmap.key(k, params)
             state = self.variable("cache", "state", core.recurrent_init, b, h, phi_q.shape[-1], dv)
-            out, new = core.recurrent_step(state.value, phi_q, keys, v)
+            out, new = core.recurrent_step(state.value, phi_q, keys, v, den_floor=fmap.den_floor())
             if initialized:
                 state.value = new
             return out.astype(q.dtype)

@@ -131,6 +131,7 @@ def _feature_map_body(fmap, causal, chunk_size, axis):
         del extra
         phi_q = fmap.query(q, params)
         keys = fmap.key(k, params)
+        den_floor = fmap.den_floor()
         if not causal:
             if keys.log_decay is not None:
                 raise ValueError("sequence_parallel: a log decay needs causal=True")
@@ -139,9 +140,11 @@ def _feature_map_body(fmap, causal, chunk_size, axis):
             w = jnp.exp(state.c - c)
             s = lax.psum(state.s * w[..., None, None], axis)
             z = lax.psum(state.z * w[..., None], axis)
-            num = jnp.einsum("bthm,bhmd->bthd", phi_q.astype(_f32), s)
-            den = jnp.einsum("bthm,bhm->bth", phi_q.astype(_f32), z)
-            return (num / core.guard_denominator(den)[..., None]).astype(q.dtype)
+            phi_q = phi_q.astype(_f32)
+            num = jnp.einsum("bthm,bhmd->bthd", phi_q, s)
+            den = jnp.einsum("bthm,bhm->bth", phi_q, z)
+            floor = core.denominator_floor(phi_q, z[:, None, :, -1], den_floor)
+            return (num / core.guard_denominator(den, floor=floor)[..., None]).astype(q.dtype)
         summary = core.block_state(
             keys.phi, v, mask=mask, log_decay=keys.log_decay, key_log_scale=keys.log_scale
         )
@@ -159,6 +162,7 @@ def _feature_map_body(fmap, causal, chunk_size, axis):
             chunk_size=chunk_size,
             log_decay=keys.log_decay,
             key_log_scale=keys.log_scale,
+            den_floor=den_floor,
         )
         return out.astype(q.dtype)
 

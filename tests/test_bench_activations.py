@@ -48,6 +48,25 @@ def test_denominator_fractions():
     assert (neg, tiny) == (0.25, 0.25)  # median |den| over valid rows = 1.0
 
 
+def test_weight_rows_bound_and_floor_stats():
+    """The mass channel is stripped (the default map's den equals the unfloored map's), the
+    l1 row sums lie between |den| and the bound, and `floor_stats` counts floored rows and
+    the l1 norms with and without the floor."""
+    q, k = _qk(2, scale=3.0)
+    params = la.get("flexformer_n").init(jax.random.key(3), num_heads=2, head_dim=8,
+                                         num_features=4)  # fmt: skip
+    den, l1, bound = ba.weight_rows("flexformer_n", params, q, k, causal=True)
+    np.testing.assert_array_equal(
+        np.asarray(den),
+        np.asarray(ba.denominators("flexformer_n", params, q, k, causal=True,
+                                   config=(("den_floor", 0.0),))),  # fmt: skip
+    )
+    assert bool(jnp.all(jnp.abs(den) <= l1 * (1 + 1e-5))) and bool(jnp.all(l1 <= bound * 1.0001))
+    stats = (np.array([[[0.5, -0.01, 0.2]]]), np.array([[[0.5, 0.4, 0.3]]]), np.ones((1, 1, 3)))
+    floored, worst, raw = ba.floor_stats([stats], [np.array([[True, True, False]])], 0.1)
+    assert floored == 0.5 and worst == 4.0 and raw == 40.0  # rows 0, 1; row 1: 0.4 / 0.1
+
+
 class _Tied(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic=True):

@@ -153,3 +153,112 @@ def test_key_log_scale_is_stable_and_causal():
     out2 = core.linear_attention(pq, pk, v, causal=True, key_log_scale=ns_future, chunk_size=4)
     assert jnp.all(jnp.isfinite(out2))
     np.testing.assert_allclose(out2[:, :8], out[:, :8], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------ relative denominator floor
+def _signed_mass_features(seed, t=13, m=6):
+    """Signed features N(0.5, 1) (denominators cancel: a third to half of the rows have
+    ``|den| < 0.2 x`` their mass) with the mass channel."""
+    pq, pk, v = _features(seed, t=t, m=m)
+    pq, pk = jnp.log(pq) + 0.5, jnp.log(pk) + 0.5  # back to N(0, 1), shifted
+    return core.mass_channel(pq, is_query=True), core.mass_channel(pk, is_query=False), v
+
+
+def _den_and_mass(pq, pk, mask, causal):
+    """Reference ``den`` and ``|phi(q_i)| sum_j |phi(k_j)|`` ``[B, H, Tq]`` (no key scale)."""
+    vis = jnp.ones((pq.shape[1], pk.shape[1]), bool)
+    if causal:
+        vis = jnp.tril(vis)
+    vis = vis[None, None] & (True if mask is None else mask[:, None, None, :])
+    a = jnp.where(vis, jnp.einsum("bihm,bjhm->bhij", pq, pk), 0.0)
+    nk = jnp.linalg.norm(pk[..., :-1], axis=-1).transpose(0, 2, 1)[:, :, None, :]
+    nq = jnp.linalg.norm(pq, axis=-1).transpose(0, 2, 1)
+    return a.sum(-1), nq * jnp.where(vis, nk, 0.0).sum(-1)
+
+
+@pytest.mark.parametrize(
+    ("causal", "extra"), [(False, "mask+scale"), (True, "mask+scale"), (True, "decay")]
+)
+def test_den_floor_fast_paths_match_reference(causal, extra):
+    """With the floor active on some rows, the chunked causal / non-causal forms equal the
+    quadratic reference with the same floor, forward and gradients (mask, key log-scales
+    or a decay), and the floor really is active on some rows and not on others."""
+    gamma = 0.2
+    pq, pk, v = _signed_mass_features(11)
+    kw = dict(causal=causal, den_floor=gamma)
+    mask = None
+    if extra == "mask+scale":
+        mask = jax.random.bernoulli(jax.random.key(4), 0.7, (2, 13)).at[:, 0].set(True)
+        kw.update(mask=mask, key_log_scale=0.5 * jax.random.normal(jax.random.key(5), (2, 13, 2)))
+    else:
+        kw["log_decay"] = -jax.random.uniform(jax.random.key(6), (2, 13, 2))
+    den, mass = _den_and_mass(pq, pk, mask, causal)
+    active = np.asarray(jnp.abs(den) < gamma * mass)
+    assert 0.1 < active.mean() < 0.9, active.mean()
+
+    def run(fn, *a):
+        extra_kw = {"chunk_size": 4} if fn is core.linear_attention else {}
+        return fn(*a, **kw, **extra_kw)
+
+    fast, ref = run(core.linear_attention, pq, pk, v), run(core.quadratic_reference, pq, pk, v)
+    np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-5)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(jnp.sin(run(fn, *a)))
+
+    g_fast = jax.grad(loss(core.linear_attention), argnums=(0, 1, 2))(pq, pk, v)
+    g_ref = jax.grad(loss(core.quadratic_reference), argnums=(0, 1, 2))(pq, pk, v)
+    for a, b in zip(g_fast, g_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_den_floor_bounds_the_weights_and_matches_the_attention(causal):
+    """The floored weights (`normalized_weights`) have row l1 norms <= 1 / gamma (the bound
+    the floor exists for; without it they exceed it here), and the attention is exactly
+    those weights times v."""
+    gamma = 0.2
+    pq, pk, v = _signed_mass_features(12, t=16)
+    w = core.normalized_weights(pq, pk, causal=causal, den_floor=gamma)
+    l1 = jnp.sum(jnp.abs(w), axis=-1)
+    assert float(jnp.max(l1)) <= (1 + 1e-5) / gamma
+    raw = core.normalized_weights(pq, pk, causal=causal)
+    assert float(jnp.max(jnp.sum(jnp.abs(raw), axis=-1))) > 2 / gamma
+    out = core.linear_attention(pq, pk, v, causal=causal, chunk_size=4, den_floor=gamma)
+    np.testing.assert_allclose(out, jnp.einsum("bhij,bjhd->bihd", w, v), rtol=1e-4, atol=1e-5)
+
+
+def test_den_floor_inactive_rows_are_unchanged_bitwise():
+    """Rows whose |den| is above the floor come out bit for bit as the unfloored call on the
+    features without the mass channel."""
+    pq, pk, v = _features(13, t=13)  # positive features: |den| / mass well above 0.05
+    aq, ak = core.mass_channel(pq, is_query=True), core.mass_channel(pk, is_query=False)
+    for causal in (False, True):
+        a = core.linear_attention(pq, pk, v, causal=causal, chunk_size=4)
+        b = core.linear_attention(aq, ak, v, causal=causal, chunk_size=4, den_floor=0.05)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_den_floor_recurrent_step_matches_causal():
+    gamma = 0.2
+    pq, pk, v = _signed_mass_features(14, t=9)
+    want = core.linear_attention(pq, pk, v, causal=True, chunk_size=4, den_floor=gamma)
+    state = core.recurrent_init(2, 2, pq.shape[-1], v.shape[-1])
+    outs = []
+    for i in range(9):
+        keys = core.KeyFeatures(pk[:, i : i + 1])
+        out, state = core.recurrent_step(
+            state, pq[:, i : i + 1], keys, v[:, i : i + 1], den_floor=gamma
+        )
+        outs.append(out)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), want, rtol=1e-4, atol=1e-5)
+
+
+def test_den_floor_errors():
+    pq, pk, v = _features(15, t=5, m=1)
+    with pytest.raises(ValueError, match="mass channel"):
+        core.linear_attention(pq, pk, v, den_floor=0.1)
+    pq, pk, v = _signed_mass_features(15, t=5)
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match=r"den_floor must be in \[0, 1\)"):
+            core.linear_attention(pq, pk, v, den_floor=bad)

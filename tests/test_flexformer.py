@@ -349,7 +349,9 @@ def test_matches_explicit_kernel_attention(name, causal):
     k = k * jnp.linspace(0.2, 6.0, 11)[None, :, None, None]  # growing: the running max moves
     p = _params(name, jax.random.key(25))
     mask = _mask(2, 11)
-    out = _jit(name, qk_radius=None)(q, k, v, p, mask=mask, causal=causal, chunk_size=4)
+    out = _jit(name, qk_radius=None, den_floor=0.0)(
+        q, k, v, p, mask=mask, causal=causal, chunk_size=4
+    )
     a = ff.kernel(q, k, p, qk_radius=None) * mask[:, None, None, :]  # [B, H, Tq, Tk]
     if causal:
         a = a * jnp.tril(jnp.ones((11, 11)))[None, None]
@@ -394,6 +396,38 @@ def test_qk_radius_normalises_inputs(name):
     for bad in (0.0, -1.0, True, "1"):
         with pytest.raises(ValueError, match="qk_radius"):
             la.get(name).attention(q, k, v, p, qk_radius=bad)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_den_floor_bounds_sharp_learned_kernels(name):
+    """Default den_floor: with frequencies 6x the init scale (the sharp kernels training
+    learns, whose trigonometric sums cancel), the effective weight rows have l1 norm
+    <= 1 / den_floor, and the attention is exactly those weights times v; without the floor
+    some rows exceed that bound. At init scale the floor changes nothing (non-causal). Bad
+    values raise."""
+    q, k, v = _inputs(jax.random.key(42), t=16)
+    p = _params(name, jax.random.key(43))
+    sharp = {n: (6.0 * x if n.startswith("omega") else x) for n, x in p.items()}
+    mech = la.get(name)
+    gamma = mech.defaults["den_floor"]
+    fm = mech.feature_map
+    for causal in (False, True):
+        w = core.normalized_weights(
+            fm.query(q, sharp), fm.key(k, sharp).phi, causal=causal, den_floor=gamma
+        )
+        assert float(jnp.max(jnp.sum(jnp.abs(w), -1))) <= (1 + 1e-5) / gamma
+        out = _jit(name)(q, k, v, sharp, causal=causal, chunk_size=4)
+        _close(out, jnp.einsum("bhij,bjhd->bihd", w, v), 1e-4, "attention vs floored weights")
+        fm0 = mech.bind(den_floor=0.0).feature_map
+        w0 = core.normalized_weights(fm0.query(q, sharp), fm0.key(k, sharp).phi, causal=causal)
+        assert float(jnp.max(jnp.sum(jnp.abs(w0), -1))) > 1 / gamma
+    # Non-causal at the init scale no row is floored (|den| >= 0.2 x its bound here); the
+    # first causal rows, with one or two keys, can be.
+    base = _jit(name)(q, k, v, p, chunk_size=4)
+    _close(base, _jit(name, den_floor=0.0)(q, k, v, p, chunk_size=4), 1e-6, "unchanged at init")
+    for bad in (1.0, -0.1, True, "0.1"):
+        with pytest.raises(ValueError, match="den_floor"):
+            mech.attention(q, k, v, p, den_floor=bad)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -216,12 +216,15 @@ def _check_close(got, want, name):
         assert err < 8 * BF16_ULP, err
 
 
-@pytest.mark.parametrize("name", ["performer", "softmax"])
-def test_linen_decode_mode_equals_parallel_causal(name):
+@pytest.mark.parametrize(
+    ("name", "extra"), [("performer", {}), ("softmax", {}), ("flexformer_n", {"den_floor": 0.9})]
+)
+def test_linen_decode_mode_equals_parallel_causal(name, extra):
     """``decode=True``: one token per call with the ``cache`` collection gives the parallel
     causal layer's outputs (performer: the recurrent state of its feature map; softmax: a KV
-    cache), with the same parameters."""
-    config = tuple(SMALL_CONFIG.get(name, {}).items())
+    cache; flexformer_n with a denominator floor that is active on most rows: the state's
+    mass channel), with the same parameters."""
+    config = tuple({**SMALL_CONFIG.get(name, {}), **extra}.items())
     kw = dict(num_heads=H, attention=name, attention_config=config, deterministic=True)
     x = _x(t=6)
     variables = la_linen.MultiHeadAttention(**kw).init(jax.random.key(0), x)

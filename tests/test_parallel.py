@@ -13,6 +13,8 @@ from linattn_jax import parallel
 _CAUSAL = {n: (False, True) if la.get(n).supports_causal else (False,) for n in la.names()}
 _CASES = [(n, {}, c) for n in parallel.supported_names() for c in _CAUSAL[n]]
 _CASES.append(("rfa", {"gate": True}, True))
+# A denominator floor active on most rows: its mass channel crosses the devices too.
+_CASES += [("flexformer_n", {"den_floor": 0.9}, c) for c in (False, True)]
 # Landmark segments split by the device boundaries (3 per 16 tokens); query landmarks and
 # row normalisation; laplacian's local branch over 5 taps (a halo of 2 rows).
 _CASES += [

@@ -14,7 +14,8 @@ Target kernel (non-stationary: not a function of ``q - k`` times per-token facto
 
 and the target attention ``out*_i = sum_j k*(q_i, k_j) v_j / sum_j k*(q_i, k_j)`` (exact,
 quadratic). The flexformers use the seed's map of the raw inputs (``qk_radius=None``: the
-target depends on the token norms, which the default normalisation removes), so the
+target depends on the token norms, which the default normalisation removes; and
+``den_floor=0``, the seed's plain ratio), so the
 default ``scale = 0.5`` keeps ``|x^|^2 ~ 0.7``, where their estimator is accurate.
 Inputs ``q, k ~ N(0, scale^2 I)``, ``v ~ N(0, I)``; fitted on one set of draws,
 reported on fresh draws as the relative error ``|out - out*|_F / |out*|_F`` (mean over
@@ -41,7 +42,7 @@ MECHANISMS = ("flexformer_n", "flexformer_s", "performer", "hedgehog")
 
 def _config(name: str, budget: int) -> dict:
     if name.startswith("flexformer"):
-        return {"num_features": budget // 2, "qk_radius": None}
+        return {"num_features": budget // 2, "qk_radius": None, "den_floor": 0.0}
     if name == "performer":
         return {"num_features": budget}
     return {}

@@ -12,11 +12,15 @@ receives on ``--examples`` training examples are captured (`capture`), in float3
 bfloat16, and the denominators ``den_i = sum_j phi(q_i) . phi~(k_j)`` of the linear
 attention (all keys; ``j <= i`` when causal, with the running-max key stabiliser of the core)
 are evaluated for ``flexformer_s`` (fresh init), ``flexformer_n`` (the layer's own params),
-``flexformer_n`` with the raw map (``qk_radius=None``, the seed's form; same params) and
-``performer`` (fresh init, the same feature count 2M), through each mechanism's
-`linattn_jax.core.FeatureMap`. Reported: the fraction of negative denominators and of tiny
-ones (``|den| < 1e-3 x`` the median ``|den|`` of the layer), over the unmasked query rows
-of every layer, heads and examples, non-causal and causal.
+``flexformer_n`` with the raw map (``qk_radius=None`` and no floor, the seed's form; same
+params) and ``performer`` (fresh init, the same feature count 2M), through each mechanism's
+`linattn_jax.core.FeatureMap`. Reported (`weight_rows`): the fraction of negative
+denominators; the fraction of rows the default relative floor (``den_floor``, see
+`linattn_jax.core`) raises, ``|den_i| < den_floor x |phi(q_i)| sum_j |phi(k_j)|``; the
+largest l1 norm of a normalised weight row (``sum_j |a_ij| / |den_i|``: 1 for positive
+features, the factor by which a row can amplify v) with the floor and without it; for
+performer the fraction of tiny denominators (``|den| < 1e-3 x`` the layer's median). Over the
+unmasked query rows of every layer, heads and examples, non-causal and causal.
 
 ``stability``. The main job (``python -m train``: ListOps mini, 2-layer width-64 encoder)
 for ``flexformer_n`` and ``softmax``: the train loss after ``--stability-steps`` steps for
@@ -63,6 +67,8 @@ from train.bench_activations.denominators import (
     denominator_rows,
     denominator_section,
     denominators,
+    floor_stats,
+    weight_rows,
 )
 from train.bench_activations.laplacian import (
     landmark_stats,
@@ -76,6 +82,7 @@ from train.bench_activations.stability import spread, stability, stability_secti
 __all__ = [
     "FAKE_DEVICES", "MESHES", "NS_ITERS", "SECTIONS", "SEEDS", "TINY", "Capture", "capture",
     "denominator_fractions", "denominator_rows", "denominator_section", "denominators",
+    "floor_stats", "weight_rows",
     "example_inputs", "landmark_stats", "laplacian_model_captures", "laplacian_section",
     "laplacian_stats", "mock_image_task", "run_steps", "soft_iteration_change", "spread",
     "stability", "stability_section", "train_and_capture", "workload_config", "workload_data",

@@ -48,7 +48,7 @@ def _softmax(q, k, v):
 def init_rate(settings: Settings) -> Finding:
     draws = 40 if settings.quick else 400
     q, k, v = _qkv(0)
-    mech = la.get("flexformer_s").bind(qk_radius=None)
+    mech = la.get("flexformer_s").bind(qk_radius=None, den_floor=0.0)
     fm = mech.feature_map
     qh, kh = q[0, :, 0] * _D**-0.25, k[0, :, 0] * _D**-0.25
     target = np.exp(qh @ kh.T - 0.5 * np.sum(qh * qh, -1, keepdims=True))
