@@ -30,6 +30,20 @@ TINY = [
 ]
 
 
+@pytest.fixture
+def unoptimised_xla(monkeypatch):
+    """XLA's optimisation passes off, in this process and in the subprocesses it starts (they
+    inherit the environment): these end-to-end runs check files, resumption and agreement
+    between runs that compile the same way, not the optimised program's speed, and compiling
+    is most of their time. Optimised training steps are compiled in test_train / test_vision."""
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", False)
+
+
 def _check_run_outputs(workdir: Path, steps: int, num_val: int = 16):
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["steps"] == steps
@@ -68,7 +82,7 @@ def _aan_fixture(folder: Path, n: int = 48):
 
 
 @pytest.mark.parametrize("task", ["listops", "pathfinder", "retrieval", "text", "image"])
-def test_cli_every_task(task, tmp_path, monkeypatch):
+def test_cli_every_task(task, tmp_path, monkeypatch, unoptimised_xla):
     monkeypatch.chdir(tmp_path)
     data_dir = tmp_path / "data"
     args = [f"--task={task}", "--attention=linear_elu", "--steps=3", f"--data_dir={data_dir}"]
@@ -95,7 +109,7 @@ def _params_of(workdir: Path, step: int):
     return restored["state"]["params"]
 
 
-def test_kill_and_resume_matches_uninterrupted(tmp_path):
+def test_kill_and_resume_matches_uninterrupted(tmp_path, unoptimised_xla):
     steps = 60
     data_dir = tmp_path / "data"
     args = ["--attention=performer", f"--steps={steps}", f"--data_dir={data_dir}", *TINY]
@@ -153,7 +167,7 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
-def test_results_command_smoke(tmp_path):
+def test_results_command_smoke(tmp_path, unoptimised_xla):
     from train import results
 
     rows = results.main(
@@ -219,7 +233,7 @@ def test_cli_flags_and_missing_data(tmp_path):
         main(["--task=text", f"--data_dir={tmp_path}", f"--workdir={tmp_path / 'w'}"])
 
 
-def test_distill_cli_run_and_transfer(tmp_path, monkeypatch, capsys):
+def test_distill_cli_run_and_transfer(tmp_path, monkeypatch, capsys, unoptimised_xla):
     """``python -m train.distill run`` (teacher, stage 1), then ``transfer``
     of its feature maps to a task B (whose teacher it trains): every output is written."""
     from train import distill
@@ -311,7 +325,7 @@ def _multiprocess_run(args, workdir, steps, num_processes=2, devices_per_process
     return outs
 
 
-def test_multiprocess_training_and_resume_match_one_process(tmp_path):
+def test_multiprocess_training_and_resume_match_one_process(tmp_path, unoptimised_xla):
     """Two processes x 2 CPU devices (jax.distributed, gloo collectives), 2 steps, then a
     second launch resuming to 4: the same metrics as one process over the conftest's 8
     devices (float32 reductions split differently: rtol 1e-5), one summary, one set of
