@@ -231,9 +231,10 @@ def column_teacher(tmp_path_factory):
 def _check_flexformer_stage1(column_teacher):
     """Attention matching for flexformer_n (trigonometric features) from the same teacher.
 
-    Measured on seeds 0-2: KL 3.0-5.9 -> 0.13-1.4 (a 3x to 40x reduction). Whether the
-    student then classifies well without fine-tuning varied by seed (1.0 on seed 0, chance
-    on seeds 1-2 on this sharp one-token attention task), so only the KL is asserted.
+    Measured on seeds 0-2: KL 3.0-5.9 -> 0.13-1.4 (a 3x to 40x reduction; 100 steps). Whether
+    the student then classifies well without fine-tuning varied by seed (1.0 on seed 0, chance
+    on seeds 1-2 on this sharp one-token attention task), so only the KL is asserted. With
+    this test's teacher and 50 steps: 0.56 -> 0.18 (step 25) -> 0.13.
     """
     task, teacher_dir = column_teacher
     config = _config("flexformer_n", 1)
@@ -248,14 +249,14 @@ def _check_flexformer_stage1(column_teacher):
         "flexformer_n",
         trainer_lib.eval_variables(student),
         distill.input_batches(s_trainer, seed=1),
-        num_steps=100,
+        num_steps=50,
         learning_rate=3e-2,
         block_size=8,
         eval_inputs=distill.eval_inputs(s_trainer, 1),
-        log_every=50,
+        log_every=25,
     )
     assert result.final_loss < 0.5 * result.initial_loss, result
-    assert [step for step, _ in result.history] == [50, 100]
+    assert [step for step, _ in result.history] == [25, 50]
     assert len(result.per_layer) == 2
 
 
@@ -265,10 +266,10 @@ def column_run(column_teacher, tmp_path_factory):
     task, teacher_dir = column_teacher
     workdir = tmp_path_factory.mktemp("distill_column")
     summary = distill.distill(
-        _config("hedgehog", 60),
+        _config("hedgehog", 30),
         teacher_workdir=teacher_dir,
         workdir=workdir,
-        stage1_steps=100,
+        stage1_steps=50,
         stage1_lr=1e-2,
         block_size=8,
         stage2_lr=1e-4,
@@ -279,7 +280,7 @@ def column_run(column_teacher, tmp_path_factory):
     return summary, workdir
 
 
-def test_distillation_end_to_end(column_teacher, column_run):
+def test_distillation_end_to_end(column_teacher, column_run, tmp_path):
     """Stage 1 + stage 2 of hedgehog from a trained softmax teacher, with baselines.
 
     Measured on seeds 0-2 with 150 + 100 steps (the report has every number): teacher
@@ -287,7 +288,9 @@ def test_distillation_end_to_end(column_teacher, column_run):
     after stage 2 1.0; the same student from scratch for 250 steps 0.20-0.25 (chance 0.25).
     From the teacher's weights without stage 1, 100 steps gave 0.40-1.0 (hedgehog's
     identity-initialised map is already close to softmax), so that baseline is reported,
-    not asserted.
+    not asserted. This test's run (stage 1 of 50 steps, stage 2 of 30): KL 0.50 -> 0.048,
+    accuracy 1.0 after stage 1 and after stage 2, scratch (80 steps) 0.27, teacher weights
+    without stage 1 0.79 (with 100 + 60 steps: KL -> 0.024, scratch 0.21).
     """
     s, workdir = column_run
     teacher = s["teacher_val"]["accuracy"]
@@ -305,20 +308,24 @@ def test_distillation_end_to_end(column_teacher, column_run):
         ("block_1", "attention"),
     }
     text = distill.format_summary(s)
-    assert "recovered" in text and "stage 1 (100 steps)" in text
+    assert "recovered" in text and "stage 1 (50 steps)" in text
     # the same teacher (one per test worker) distilled into flexformer_n: stage 1 only
     _check_flexformer_stage1(column_teacher)
+    # the maps distilled here, transferred to the row task: one test, so that pytest-xdist
+    # cannot hand it to the other worker, which would train the column teacher a second time
+    _check_kernel_transfer(column_run, tmp_path)
 
 
-def test_kernel_transfer_column_to_row(column_run, tmp_path):
+def _check_kernel_transfer(column_run, tmp_path):
     """Maps distilled on the column task used on the row task (its own, briefly trained teacher).
 
-    Measured (150 teacher steps, teacher val 0.53; stage 1 of 80 steps on B): attention KL on
-    B own 0.009, transferred 0.067, untrained 0.39; val accuracy own 0.55, transferred 0.25.
+    Measured (100 teacher steps, teacher val 0.24, chance; stage 1 of 40 steps on B): attention
+    KL on B own 0.019, transferred 0.063, untrained 0.35 (with 150 teacher steps, val 0.53, and
+    80 stage-1 steps: 0.009, 0.067, 0.39).
     """
     _, source_dir = column_run
     task = _task("row")
-    config = distill.teacher_config(_config("hedgehog", 150))
+    config = distill.teacher_config(_config("hedgehog", 100))
     config.learning_rate = 3e-3
     loop.train_and_evaluate(config, tmp_path / "teacher_row", data=task)
     s = distill.kernel_transfer(
@@ -326,7 +333,7 @@ def test_kernel_transfer_column_to_row(column_run, tmp_path):
         teacher_workdir=tmp_path / "teacher_row",
         source=source_dir / "feature_maps.msgpack",
         workdir=tmp_path / "transfer",
-        stage1_steps=80,
+        stage1_steps=40,
         stage1_lr=1e-2,
         block_size=8,
         data=task,
