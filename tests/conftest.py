@@ -26,3 +26,23 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("repeatable", derandomize=True, database=None, max_examples=10)
 settings.register_profile("explore", derandomize=False, max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def unoptimised_xla(monkeypatch):
+    """XLA's optimisation passes off, in this process and in the subprocesses a test starts
+    (they inherit JAX_DISABLE_MOST_OPTIMIZATIONS): for tests whose cost is compiling and whose
+    property does not depend on the optimised program (smoke runs, file outputs, resumption,
+    one-device vs sharded agreement, where both sides compile the same way); measured: the
+    bench model smoke test 3x faster on CPU. Optimised compiles of every mechanism stay in
+    test_mechanisms (jit per mechanism), test_fuzz and test_vision (every mechanism's training
+    step)."""
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", False)

@@ -25,19 +25,6 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-@pytest.fixture
-def unoptimised_xla():
-    """XLA's optimisation passes off (about half the compile time, which is most of a smoke
-    run): the smoke tests check that every mechanism compiles, runs and is reported with
-    positive figures, not how fast the optimised program is (train.bench itself is unchanged;
-    every mechanism's training step compiles optimised in test_vision's sharded-steps test)."""
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", False)
-
-
 # The smoke runs are split into two halves of the registry (softmax in both, as the ratios'
 # reference) so that pytest-xdist can spread them over its workers; together they cover every
 # registered mechanism.

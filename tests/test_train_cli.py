@@ -30,20 +30,6 @@ TINY = [
 ]
 
 
-@pytest.fixture
-def unoptimised_xla(monkeypatch):
-    """XLA's optimisation passes off, in this process and in the subprocesses it starts (they
-    inherit the environment): these end-to-end runs check files, resumption and agreement
-    between runs that compile the same way, not the optimised program's speed, and compiling
-    is most of their time. Optimised training steps are compiled in test_train / test_vision."""
-    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", False)
-
-
 def _check_run_outputs(workdir: Path, steps: int, num_val: int = 16):
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["steps"] == steps
