@@ -55,7 +55,9 @@ class ImageTask(SplitAccess):
     """
 
     name: str
-    splits: Mapping[str, Any]
+    # repr=False: grain names every pipeline step by its repr; in-memory splits would be
+    # formatted in full each time a stream is built.
+    splits: Mapping[str, Any] = dataclasses.field(repr=False)
     num_classes: int
     image_size: tuple[int, int]
     channels: int = 3

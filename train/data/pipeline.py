@@ -182,7 +182,7 @@ class Task(SplitAccess):
     """
 
     name: str
-    splits: Mapping[str, Source]
+    splits: Mapping[str, Source] = dataclasses.field(repr=False)  # see ImageTask.splits
     vocab_size: int
     num_classes: int
     seq_len: int
