@@ -24,6 +24,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=200, help="training steps (denominators)")
     p.add_argument("--stability-steps", type=int, default=30, help="steps (stability)")
     p.add_argument("--examples", type=int, default=4, help="examples captured per model")
+    p.add_argument(
+        "--train-den-floor",
+        type=float,
+        default=None,
+        help="den_floor of the flexformer_n models trained in the denominators section "
+        "(default: the library default; 0 trains without the floor)",
+    )
     p.add_argument("--out", default=None, help="also write the tables to this file")
     return p
 
@@ -53,7 +60,7 @@ def main(argv=None) -> str:
     for section in sections:
         print(f"[{section}] ...", flush=True)
         if section == "denominators":
-            parts.append(denominator_section(args.steps, args.examples)[0])
+            parts.append(denominator_section(args.steps, args.examples, args.train_den_floor)[0])
         elif section == "stability":
             parts.append(stability_section(args.stability_steps))
         else:
