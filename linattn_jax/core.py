@@ -45,6 +45,9 @@ from jax import lax
 DENOMINATOR_EPS = 1e-6
 
 _f32 = jnp.float32
+#: Added under the square roots of feature norms: an all-zero feature row gets a finite
+#: (zero) gradient instead of NaN.
+_TINY_SQ = 1e-30
 
 
 def guard_denominator(den, eps: float = DENOMINATOR_EPS, floor=None):
@@ -71,7 +74,7 @@ def mass_channel(phi, *, is_query: bool):
     extra = (
         jnp.zeros_like(phi[..., :1])
         if is_query
-        else jnp.sqrt(jnp.sum(phi * phi, axis=-1, keepdims=True))
+        else jnp.sqrt(jnp.sum(phi * phi, axis=-1, keepdims=True) + _TINY_SQ)
     )
     return jnp.concatenate([phi, extra], axis=-1)
 
@@ -82,7 +85,7 @@ def denominator_floor(phi_q, mass, den_floor):
     mass channel summed under the denominator's weights)."""
     if not den_floor:
         return None
-    return den_floor * jnp.sqrt(jnp.sum(phi_q * phi_q, axis=-1)) * mass
+    return den_floor * jnp.sqrt(jnp.sum(phi_q * phi_q, axis=-1) + _TINY_SQ) * mass
 
 
 def _split_mass(phi_q, phi_k, den_floor):

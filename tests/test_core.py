@@ -262,3 +262,17 @@ def test_den_floor_errors():
     for bad in (1.0, -0.1):
         with pytest.raises(ValueError, match=r"den_floor must be in \[0, 1\)"):
             core.linear_attention(pq, pk, v, den_floor=bad)
+
+
+def test_den_floor_zero_feature_rows_have_finite_gradients():
+    """An all-zero query or key feature row (its norm's square root at 0) gives finite
+    gradients through the floor."""
+    pq, pk, v = _features(16, t=6)
+    pq, pk = pq.at[:, 2].set(0.0), pk.at[:, 3].set(0.0)
+
+    def loss(pq, pk):
+        aq, ak = core.mass_channel(pq, is_query=True), core.mass_channel(pk, is_query=False)
+        return jnp.sum(core.linear_attention(aq, ak, v, causal=True, den_floor=0.5))
+
+    for g in jax.grad(loss, argnums=(0, 1))(pq, pk):
+        assert bool(jnp.all(jnp.isfinite(g)))
