@@ -377,7 +377,7 @@ def _feature_map(variant):
 FEATURE_MAPS = {"flexformer_s": _feature_map("s"), "flexformer_n": _feature_map("n")}
 
 
-def _check_radius(name, radius, den_floor):
+def _check_map_config(name, radius, den_floor):
     if radius is not None and (
         isinstance(radius, bool) or not isinstance(radius, int | float) or not radius > 0
     ):
@@ -408,7 +408,7 @@ def _attend(
     freq_keys = ("omega",) if name == "flexformer_s" else ("omega1", "omega2")
     extra = None if name == "flexformer_s" else {"tau": (h,)}
     _check_freqs(name, params, freq_keys, h, d, extra)
-    _check_radius(name, radius, den_floor)
+    _check_map_config(name, radius, den_floor)
     params = dict(params)
     if not learn_frequencies:
         for key in freq_keys:
