@@ -490,7 +490,8 @@ class FeatureMap:
         phi_q = fm.query(q, p)                              # [B, Tq, H, M]
         phi_k, log_scale, log_decay = fm.key(k, p)          # KeyFeatures
         out = core.attend(phi_q, phi_k, v, q.dtype, key_log_scale=log_scale,
-                          log_decay=log_decay)              # == mechanism.attention(...)
+                          log_decay=log_decay,
+                          den_floor=fm.den_floor())         # == mechanism.attention(...)
 
     Attributes:
       query_fn: ``(q, params, **config) -> [B, Tq, H, M]`` float32.
