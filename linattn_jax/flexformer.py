@@ -382,50 +382,12 @@ def _check_map_config(name, radius, den_floor):
         isinstance(radius, bool) or not isinstance(radius, int | float) or not radius > 0
     ):
         raise ValueError(f"{name}: qk_radius must be a float > 0 or None, got {radius!r}")
-    if isinstance(den_floor, bool) or not isinstance(den_floor, int | float):
+    if (
+        isinstance(den_floor, bool)
+        or not isinstance(den_floor, int | float)
+        or not 0.0 <= den_floor < 1.0
+    ):
         raise ValueError(f"{name}: den_floor must be a float in [0, 1), got {den_floor!r}")
-    if not 0.0 <= den_floor < 1.0:
-        raise ValueError(f"{name}: den_floor must be a float in [0, 1), got {den_floor!r}")
-
-
-def _attend(
-    name,
-    q,
-    k,
-    v,
-    params,
-    mask,
-    causal,
-    chunk_size,
-    learn_frequencies,
-    quadratic,
-    radius=None,
-    den_floor=0.0,
-):
-    _checks.check_inputs(name, q, k, v, mask, causal=causal)
-    _checks.check_positive(name, chunk_size=chunk_size)
-    h, d = q.shape[2], q.shape[3]
-    freq_keys = ("omega",) if name == "flexformer_s" else ("omega1", "omega2")
-    extra = None if name == "flexformer_s" else {"tau": (h,)}
-    _check_freqs(name, params, freq_keys, h, d, extra)
-    _check_map_config(name, radius, den_floor)
-    params = dict(params)
-    if not learn_frequencies:
-        for key in freq_keys:
-            params[key] = lax.stop_gradient(params[key])
-    return core.attend_features(
-        FEATURE_MAPS[name],
-        q,
-        k,
-        v,
-        params,
-        mask=mask,
-        causal=causal,
-        chunk_size=chunk_size,
-        quadratic=quadratic,
-        qk_radius=radius,
-        den_floor=den_floor,
-    )
 
 
 def _attention_fn(name: str, *, quadratic: bool, doc: str):
@@ -448,19 +410,29 @@ def _attention_fn(name: str, *, quadratic: bool, doc: str):
         den_floor=DEN_FLOOR,
     ):
         del rng, deterministic
-        return _attend(
-            name,
+        _checks.check_inputs(name, q, k, v, mask, causal=causal)
+        _checks.check_positive(name, chunk_size=chunk_size)
+        h, d = q.shape[2], q.shape[3]
+        freq_keys = ("omega",) if name == "flexformer_s" else ("omega1", "omega2")
+        extra = None if name == "flexformer_s" else {"tau": (h,)}
+        _check_freqs(name, params, freq_keys, h, d, extra)
+        _check_map_config(name, qk_radius, den_floor)
+        params = dict(params)
+        if not learn_frequencies:
+            for key in freq_keys:
+                params[key] = lax.stop_gradient(params[key])
+        return core.attend_features(
+            FEATURE_MAPS[name],
             q,
             k,
             v,
             params,
-            mask,
-            causal,
-            chunk_size,
-            learn_frequencies,
-            quadratic,
-            qk_radius,
-            den_floor,
+            mask=mask,
+            causal=causal,
+            chunk_size=chunk_size,
+            quadratic=quadratic,
+            qk_radius=qk_radius,
+            den_floor=den_floor,
         )
 
     fn_name = ("reference_" if quadratic else "attention_") + name[-1]

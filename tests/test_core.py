@@ -19,6 +19,22 @@ def _features(seed, b=2, t=13, h=2, m=6, dv=5, signed=False):
     return pq, pk, jax.random.normal(k3, (b, t, h, dv))
 
 
+def _assert_fast_matches_reference(run, pq, pk, v):
+    """``run(fn, pq, pk, v)`` with the chunked `linear_attention` equals it with
+    `quadratic_reference`: outputs and the gradients of ``sum(sin(out))`` wrt pq, pk, v."""
+    fast = run(core.linear_attention, pq, pk, v)
+    ref = run(core.quadratic_reference, pq, pk, v)
+    np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-5)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(jnp.sin(run(fn, *a)))
+
+    g_fast = jax.grad(loss(core.linear_attention), argnums=(0, 1, 2))(pq, pk, v)
+    g_ref = jax.grad(loss(core.quadratic_reference), argnums=(0, 1, 2))(pq, pk, v)
+    for a, b in zip(g_fast, g_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("t,chunk", [(13, 4), (16, 4), (13, 64), (1, 8), (7, 1), (20, 7)])
 @pytest.mark.parametrize("signed", [False, True])
 @pytest.mark.parametrize("with_mask", [False, True])
@@ -34,17 +50,7 @@ def test_causal_chunked_matches_quadratic(t, chunk, signed, with_mask):
             kw["chunk_size"] = chunk
         return fn(pq, pk, v, **kw)
 
-    fast = f(core.linear_attention, pq, pk, v)
-    ref = f(core.quadratic_reference, pq, pk, v)
-    np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-5)
-
-    def loss(fn):
-        return lambda *a: jnp.sum(jnp.sin(f(fn, *a)))
-
-    g_fast = jax.grad(loss(core.linear_attention), argnums=(0, 1, 2))(pq, pk, v)
-    g_ref = jax.grad(loss(core.quadratic_reference), argnums=(0, 1, 2))(pq, pk, v)
-    for a, b in zip(g_fast, g_ref):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    _assert_fast_matches_reference(f, pq, pk, v)
 
 
 @pytest.mark.parametrize("t,chunk", [(13, 4), (9, 9), (1, 3)])
@@ -200,16 +206,7 @@ def test_den_floor_fast_paths_match_reference(causal, extra):
         extra_kw = {"chunk_size": 4} if fn is core.linear_attention else {}
         return fn(*a, **kw, **extra_kw)
 
-    fast, ref = run(core.linear_attention, pq, pk, v), run(core.quadratic_reference, pq, pk, v)
-    np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-5)
-
-    def loss(fn):
-        return lambda *a: jnp.sum(jnp.sin(run(fn, *a)))
-
-    g_fast = jax.grad(loss(core.linear_attention), argnums=(0, 1, 2))(pq, pk, v)
-    g_ref = jax.grad(loss(core.quadratic_reference), argnums=(0, 1, 2))(pq, pk, v)
-    for a, b in zip(g_fast, g_ref):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    _assert_fast_matches_reference(run, pq, pk, v)
 
 
 @pytest.mark.parametrize("causal", [False, True])
