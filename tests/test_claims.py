@@ -29,7 +29,7 @@ def toy_claim(monkeypatch):
 
 
 def test_run_caches_and_report_merges(tmp_path, toy_claim):
-    settings = claims.Settings(seeds=2, workdir=tmp_path)
+    settings = claims.Settings(seeds=2, workdir=tmp_path / "runs", findings=tmp_path)
     (record,) = claims.run(claims.select(["toy.claim"]), settings, log=lambda *_: None).values()
     assert record["finding"]["verdict"] == claims.PARTLY and len(toy_claim) == 1
     cached = json.loads((tmp_path / "toy.claim.json").read_text())
@@ -39,8 +39,10 @@ def test_run_caches_and_report_merges(tmp_path, toy_claim):
     claims.run(claims.select(["toy.claim"]), settings, rerun=True, log=lambda *_: None)
     assert len(toy_claim) == 2
     # other settings do not reuse it
-    assert claims.load(claims.Settings(seeds=3, workdir=tmp_path), "toy.claim") is None
+    assert claims.load(claims.Settings(seeds=3, findings=tmp_path), "toy.claim") is None
+    assert not (tmp_path / "runs").exists()  # findings apart from the training runs
     text = claims.report(settings)
+    assert f"kept in `{tmp_path}/<key>.json`" in text
     assert "| A toy. | None. | x = 1 | **partly** |" in text
     assert "not run yet: `python -m train.claims --only ra.unbiased`" in text
     assert "**`toy.claim`**" in text and "because" in text
@@ -61,13 +63,19 @@ def test_select_and_finding_errors():
         assert key in keys
 
 
-def test_cli_list_and_report_only(tmp_path, capsys):
+def test_cli_list_and_report_only(tmp_path, capsys, toy_claim):
     claims_cli.main(["--list", "--kind", "cheap"])
     out = capsys.readouterr().out
     assert "ra.unbiased" in out and "table.equal_budget" not in out
     report = tmp_path / "claims.md"
-    claims_cli.main(["--report-only", "--workdir", str(tmp_path), "--out", str(report)])
+    claims_cli.main(["--report-only", "--findings", str(tmp_path), "--out", str(report)])
     assert report.read_text().startswith("# The seeds' claims")
+    # --quick keeps its findings under the workdir, never in the tracked docs/claims
+    claims_cli.main(["--only", "toy.claim", "--quick", "--workdir", str(tmp_path), "--out", ""])
+    assert (tmp_path / "quick_findings" / "toy.claim.json").exists() and len(toy_claim) == 1
+    assert toy_claim[0].findings == tmp_path / "quick_findings"
+    assert claims_cli.main(["--only", "toy.claim", "--findings", str(tmp_path), "--out", ""])
+    assert (tmp_path / "toy.claim.json").exists() and len(toy_claim) == 2
     with pytest.raises(SystemExit):
         claims_cli.main(["--seeds", "0"])
 

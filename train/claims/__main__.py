@@ -3,7 +3,7 @@
 python -m train.claims --kind cheap          # estimator / solver / memory claims (minutes)
 python -m train.claims --kind train          # the equal-budget table and its claims
 python -m train.claims --only ra.unbiased    # one claim (rerun with --rerun)
-python -m train.claims --report-only         # rewrite the report from the cache
+python -m train.claims --report-only         # rewrite the report from docs/claims/*.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ def main(argv=None) -> dict:
     p.add_argument("--kind", default="all", choices=("all", *claims.KINDS))
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="tiny sizes (tests; numbers meaningless)")
-    p.add_argument("--workdir", default="workdir/claims")
+    p.add_argument("--workdir", default="workdir/claims", help="training runs")
+    p.add_argument(
+        "--findings",
+        default=None,
+        help="the findings, <key>.json each (default docs/claims; with --quick "
+        "<workdir>/quick_findings, so tiny runs never replace the kept ones)",
+    )
     p.add_argument("--out", default="docs/claims.md", help="the report ('' = do not write)")
     p.add_argument("--rerun", action="store_true", help="ignore cached findings")
     p.add_argument("--report-only", action="store_true")
@@ -29,7 +35,12 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
-    settings = claims.Settings(seeds=args.seeds, quick=args.quick, workdir=Path(args.workdir))
+    findings = args.findings or (
+        Path(args.workdir) / "quick_findings" if args.quick else claims.Settings.findings
+    )
+    settings = claims.Settings(
+        seeds=args.seeds, quick=args.quick, workdir=Path(args.workdir), findings=Path(findings)
+    )
     chosen = claims.select(args.only, args.kind)
     if args.list:
         for c in chosen:

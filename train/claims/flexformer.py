@@ -152,9 +152,16 @@ def efficiency(settings: Settings) -> Finding:
         else dict(seq_len=4000, dim=128, heads=4, mlp=512, layers=4)
     )
     names = ["softmax"] + [n for n in la.names() if not common.is_quadratic(n)]
-    points = [
-        bench_model.model_point(n, batch=2, repeats=2, min_total_s=1.0, **shape) for n in names
-    ]
+    points = []
+    for n in names:
+        try:
+            points.append(bench_model.model_point(n, batch=2, repeats=2, min_total_s=1.0, **shape))
+        except Exception as e:  # noqa: BLE001 -- one failing mechanism must not end the run
+            points.append({"mechanism": n, "status": "error", "note": f"{type(e).__name__}: {e}"})
+        print(
+            f"[flexformer.efficiency] {n}: {points[-1].get('time_ms') or points[-1]['status']}",
+            flush=True,
+        )
     points = {p["mechanism"]: p for p in bench_model.model_ratios(points)}
     rows = {
         n: (1.0 / p["ratio_time"], 1.0 - p["ratio_memory"])
