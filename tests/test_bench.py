@@ -13,7 +13,7 @@ import pytest
 
 import linattn_jax as la
 from train import bench
-from train.bench import peers
+from train.bench import peers, timing
 
 
 def _run(capsys, argv):
@@ -109,6 +109,50 @@ def test_scaling_modes_passes_and_report(tmp_path, capsys, unoptimised_xla):
     for name in names:
         assert f"| {name} | " in text
     assert "->64:" in text
+
+
+def test_matmul_flops_counts_products_scan_bodies_and_gradients():
+    x, w = jnp.ones((8, 6)), jnp.ones((6, 5))
+
+    def one(x, w):
+        return x @ w
+
+    compiled = jax.jit(one).lower(x, w).compile().cost_analysis()
+    assert timing.matmul_flops(one, (x, w)) == 2 * 8 * 5 * 6 == compiled["flops"]
+
+    def scan3(x, w):  # XLA's cost_analysis counts this body once
+        return jax.lax.scan(lambda c, _: (c @ w, None), x @ w[:, :6].T, None, length=3)[0]
+
+    w = jnp.ones((6, 6))
+    assert timing.matmul_flops(scan3, (x, w)) == 4 * 2 * 8 * 6 * 6
+    grad = jax.grad(lambda x, w: scan3(x, w).sum())  # 4 products forward, 4 backward (dx)
+    assert timing.matmul_flops(grad, (x, w)) == 8 * 2 * 8 * 6 * 6
+
+
+def test_scaling_flop_rate(tmp_path, capsys, unoptimised_xla):
+    out = tmp_path / "s.json"
+    _, stdout = _run(
+        capsys,
+        ["scaling", "--seq-lens", "128", "256", "--repeats", "1", "--passes", "fwd", "--flop-rate"]
+        + ["--heads", "1", "--head-dim", "4", "--no-isolate", "--quiet", "--out", str(out)]
+        + ["--mechanisms", "linear_elu"],
+    )
+    result = json.loads(out.read_text())
+    refs = result["reference"]  # before and after the mechanisms, per T
+    assert [r["seq_len"] for r in refs] == [128, 256, 128, 256]
+    assert all(
+        r["matmul_flops"] == 2 * r["seq_len"] * 4 * 4 and _positive(r["gflops"]) for r in refs
+    )
+    flops = {(p["mode"], p["seq_len"]): p["matmul_flops"] for p in result["points"]}
+    for p in result["points"]:
+        assert _positive(p["gflops"]) and p["gflops"] == pytest.approx(
+            p["matmul_flops"] / p["time_ms"] / 1e6
+        )
+    for mode in ("noncausal", "causal"):  # linear in T: the causal scan over 2 and 4 chunks
+        assert flops[(mode, 256)] == 2 * flops[(mode, 128)], mode
+    assert flops[("causal", 256)] > flops[("noncausal", 256)]  # + the quadratic in-chunk part
+    assert "#### effective FLOP rate at T=256" in stdout
+    assert "| linear_elu | " in stdout and "[256, 4] @ [4, 4]" in stdout
 
 
 @pytest.mark.parametrize("part", PARTS)

@@ -5,6 +5,11 @@ where supported, with ratios to ``softmax`` (and ``softmax_xla``) measured in th
 A point whose compiled memory exceeds ``--memory-budget-gib``, or whose predicted time
 (extrapolated from the smaller T of the same series) exceeds ``--time-limit-s``, is compiled
 (so its memory is still reported) but not run, with a note.
+
+Every point carries ``matmul_flops`` and, when run, ``gflops`` (`timing.measure`);
+``--flop-rate`` also times a plain matmul at each T before and after the mechanisms
+(`reference_matmul`, under ``"reference"``) and adds a table of each point's FLOP rate as a
+share of the matmul's.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import argparse
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+
+import jax
 
 from train.bench import common, isolation, peers, timing
 from train.bench.common import PASSES, SOFTMAX, SOFTMAX_XLA
@@ -30,6 +37,7 @@ class ScalingConfig:
     min_total_s: float = 2.0
     memory_budget_gib: float = dataclasses.field(default_factory=common.default_memory_budget_gib)
     time_limit_s: float = 60.0
+    flop_rate: bool = False
 
 
 def predict_seconds(series: list[tuple[int, float]], seq_len: int, quadratic: bool) -> float | None:
@@ -165,6 +173,7 @@ def run_scaling(
     """All scaling points of `mechanisms` (default: the registry plus softmax_xla) with ratios;
     `options`: in this process (default) or one subprocess per mechanism."""
     names = common.bench_names(mechanisms)
+    before = [reference_matmul(t, cfg) for t in cfg.seq_lens] if cfg.flop_rate else []
     points = isolation.run_mechanisms(
         names,
         lambda name, emit: scaling_points(name, cfg, emit),
@@ -172,13 +181,68 @@ def run_scaling(
         label="scaling",
         describe=_describe,
     )
-    return {
+    result = {
         "kind": "scaling",
         "environment": common.environment(),
         "config": dataclasses.asdict(cfg),
         "mechanisms": peers.peer_names(names),
         "points": peers.add_peer_ratios(add_ratios(points)),
     }
+    if cfg.flop_rate:
+        after = [reference_matmul(t, cfg) for t in cfg.seq_lens]
+        result["reference"] = before + after
+    return result
+
+
+def reference_matmul(seq_len: int, cfg: ScalingConfig) -> dict:
+    """This CPU's matmul rate at the size of one attention projection: ``[B * T, H * d] @
+    [H * d, H * d]`` in float32, timed like the mechanisms."""
+    n, c = cfg.batch * seq_len, cfg.heads * cfg.head_dim
+    ka, kb = jax.random.split(jax.random.key(0))
+    args = (jax.random.normal(ka, (n, c)), jax.random.normal(kb, (c, c)))
+
+    def fn(a, b):
+        return a @ b
+
+    point = {"seq_len": seq_len, "shape": f"[{n}, {c}] @ [{c}, {c}]"}
+    point.update(timing.measure(fn, args, repeats=cfg.repeats, min_total_s=cfg.min_total_s))
+    return point
+
+
+def flop_rate_table(result: dict) -> str:
+    """Markdown: each point's matrix-product FLOP rate (`timing.matmul_flops` / median time)
+    as a share of the reference matmul's (the faster of its two timings at that T)."""
+    out = []
+    for seq_len in sorted({r["seq_len"] for r in result.get("reference", [])}):
+        refs = [r for r in result["reference"] if r["seq_len"] == seq_len]
+        best = max(refs, key=lambda r: r["gflops"])
+        rates = " and ".join(f"{r['gflops']:.1f}" for r in refs)
+        cols = [(m, s) for m in result["config"]["modes"] for s in result["config"]["passes"]]
+        out += [
+            f"\n#### effective FLOP rate at T={seq_len}: GFLOP/s (share of the matmul's "
+            f"{best['gflops']:.1f} GFLOP/s)\n",
+            f"Reference: {best['shape']} float32, {rates} GFLOP/s before and after the "
+            "mechanisms. FLOPs: the matrix products only (`train.bench.timing.matmul_flops`).\n",
+            "| mechanism | " + " | ".join(f"{s.replace('_', '+')}, {m}" for m, s in cols) + " |",
+            "|---|" + "---:|" * len(cols),
+        ]
+        for name in result["mechanisms"]:
+            cells = []
+            for mode, pass_ in cols:
+                p = next(
+                    (
+                        p
+                        for p in result["points"]
+                        if (p["mechanism"], p.get("seq_len"), p.get("mode"), p.get("pass"))
+                        == (name, seq_len, mode, pass_)
+                    ),
+                    None,
+                )
+                rate = p.get("gflops") if p else None
+                cells.append(f"{rate:.1f} ({100 * rate / best['gflops']:.0f}%)" if rate else "")
+            if any(cells):
+                out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(out).strip() + "\n" if out else ""
 
 
 def _describe(p: dict) -> str:
@@ -357,6 +421,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-total-s", type=float, default=2.0, help="fewer repeats past this")
     p.add_argument("--memory-budget-gib", type=float, default=None, help="default 0.3 x RAM")
     p.add_argument("--time-limit-s", type=float, default=60.0, help="max predicted s per call")
+    p.add_argument(
+        "--flop-rate",
+        action="store_true",
+        help="time a plain matmul per T and report each point's FLOP rate as a share of it",
+    )
 
 
 def run_from_args(args: argparse.Namespace, child_argv: Sequence[str], log) -> tuple[dict, str]:
@@ -373,11 +442,12 @@ def run_from_args(args: argparse.Namespace, child_argv: Sequence[str], log) -> t
         min_total_s=args.min_total_s,
         memory_budget_gib=common.default_memory_budget_gib() if budget is None else budget,
         time_limit_s=args.time_limit_s,
+        flop_rate=args.flop_rate,
     )
     result = run_scaling(
         cfg, args.mechanisms, isolation.RunOptions.from_args(args, child_argv, log)
     )
-    return result, scaling_table(result) + peers.peer_table(result)
+    return result, scaling_table(result) + peers.peer_table(result) + flop_rate_table(result)
 
 
 plot = plot_scaling

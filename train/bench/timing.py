@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.extend
 
 
 def memory_figures(compiled) -> dict[str, int | None]:
@@ -31,6 +32,38 @@ def memory_figures(compiled) -> dict[str, int | None]:
     }
     out["total"] = out["temp"] + out["argument"] + out["output"]
     return out
+
+
+def matmul_flops(fn: Callable, args: Sequence[Any]) -> int:
+    """FLOPs of the matrix products in `fn(*args)`, counted on its jaxpr: ``2 * out * K`` per
+    ``dot_general`` (K the contracted size), a ``scan`` body times its length.
+
+    XLA's ``compiled.cost_analysis()`` counts a loop body once, whatever its trip count, so it
+    misses most of a chunked causal scan; elementwise work (exp, cos, sin, sums) is left out on
+    purpose: the count is the useful matrix work, against which a plain matmul's rate is the
+    reference. A ``while_loop`` body (trip count unknown) is counted once, every branch of a
+    ``cond`` is counted.
+    """
+    return _dot_flops(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def _dot_flops(jaxpr) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            k = 1
+            for i in contract:
+                k *= lhs[i]
+            total += 2 * eqn.outvars[0].aval.size * k
+        times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    total += times * _dot_flops(sub)
+    return total
 
 
 def time_compiled(
@@ -80,15 +113,18 @@ def measure(
 ) -> dict[str, Any]:
     """Compiles `fn(*args)` ahead of time and times it: the fields a benchmark point gets.
 
-    ``compile_s`` and ``memory`` (`memory_figures`) always; then, unless ``skip(fields)``
-    gives a reason (``status="skipped"``, ``note=reason``: the point is compiled, so its memory
-    is reported, but not run), the `time_compiled` figures.
+    ``compile_s``, ``memory`` (`memory_figures`) and ``matmul_flops`` always; then, unless
+    ``skip(fields)`` gives a reason (``status="skipped"``, ``note=reason``: the point is
+    compiled, so its memory is reported, but not run), the `time_compiled` figures and
+    ``gflops`` (``matmul_flops`` over the median time).
     """
     compiled, fields = compile_memory(fn, args)
+    fields["matmul_flops"] = matmul_flops(fn, args)
     reason = skip(fields) if skip is not None else None
     if reason:
         return {**fields, "status": "skipped", "note": reason}
-    return {**fields, **time_compiled(compiled, args, repeats=repeats, min_total_s=min_total_s)}
+    fields.update(time_compiled(compiled, args, repeats=repeats, min_total_s=min_total_s))
+    return {**fields, "gflops": fields["matmul_flops"] / fields["time_ms"] / 1e6}
 
 
 def over_budget(memory: dict, budget_gib: float | None) -> str | None:
