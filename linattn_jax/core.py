@@ -88,6 +88,19 @@ def denominator_floor(phi_q, mass, den_floor):
     return den_floor * jnp.sqrt(jnp.sum(phi_q * phi_q, axis=-1) + _TINY_SQ) * mass
 
 
+def read_out(phi_q, s, z, mass=None, *, eps: float = DENOMINATOR_EPS, den_floor: float = 0.0):
+    """Linear attention's output from the key summaries: ``phi_q S / guard(phi_q z)``.
+
+    `phi_q` ``[B, Tq, H, M]``, `s` ``[B, H, M, Dv]`` (sum of phi(k) v^T), `z` ``[B, H, M]``
+    (sum of phi(k)), `mass` ``[B, H]`` (the key-mass channel summed under the same weights;
+    None without a floor) -> ``[B, Tq, H, Dv]``. The non-causal path, the recurrent step and
+    the sequence-parallel reduction all end here."""
+    num = jnp.einsum("bthm,bhmd->bthd", phi_q, s)
+    den = jnp.einsum("bthm,bhm->bth", phi_q, z)
+    floor = None if mass is None else denominator_floor(phi_q, mass[:, None], den_floor)
+    return num / guard_denominator(den, eps, floor)[..., None]
+
+
 def _split_mass(phi_q, phi_k, den_floor):
     """``(phi_q, phi_k, mass)``: the features without the mass channel and the channel
     ``[B, Tk, H]`` (None without a floor). The main sums then run on exactly the features
@@ -183,12 +196,8 @@ def linear_attention(
         phi_k = phi_k * wk[..., None]
         kv = jnp.einsum("bthm,bthd->bhmd", phi_k, v)  # [B, H, M, Dv]
         z = jnp.sum(phi_k, axis=1)  # [B, H, M]
-        num = jnp.einsum("bthm,bhmd->bthd", phi_q, kv)
-        den = jnp.einsum("bthm,bhm->bth", phi_q, z)
-        floor = None
-        if mass is not None:
-            floor = denominator_floor(phi_q, jnp.sum(mass * wk, axis=1)[:, None], den_floor)
-        return num / guard_denominator(den, eps, floor)[..., None]
+        key_mass = None if mass is None else jnp.sum(mass * wk, axis=1)  # [B, H]
+        return read_out(phi_q, kv, z, key_mass, eps=eps, den_floor=den_floor)
     return _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps, den_floor=den_floor)[0]
 
 
@@ -617,11 +626,9 @@ def recurrent_step(
     v = v[:, 0].astype(_f32)
     s = s * old[..., None, None] + kf[..., None] * v[:, :, None, :]
     z = z * old[..., None] + kf
-    pq = phi_q[:, 0].astype(_f32)
-    num = jnp.einsum("bhm,bhmd->bhd", pq, s)
-    den = jnp.einsum("bhm,bhm->bh", pq, z)
-    out = num / guard_denominator(den, eps, denominator_floor(pq, z[..., -1], den_floor))[..., None]
-    return out[:, None], RecurrentState(s, z, c_new)
+    mass = z[..., -1] if den_floor else None  # the query's mass column is 0: dots unchanged
+    out = read_out(phi_q.astype(_f32), s, z, mass, eps=eps, den_floor=den_floor)
+    return out, RecurrentState(s, z, c_new)
 
 
 __all__ = [
@@ -638,6 +645,7 @@ __all__ = [
     "guard_denominator",
     "mass_channel",
     "denominator_floor",
+    "read_out",
     "masked_max",
     "key_mask",
     "linear_attention",

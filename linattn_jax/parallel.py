@@ -140,11 +140,9 @@ def _feature_map_body(fmap, causal, chunk_size, axis):
             w = jnp.exp(state.c - c)
             s = lax.psum(state.s * w[..., None, None], axis)
             z = lax.psum(state.z * w[..., None], axis)
-            phi_q = phi_q.astype(_f32)
-            num = jnp.einsum("bthm,bhmd->bthd", phi_q, s)
-            den = jnp.einsum("bthm,bhm->bth", phi_q, z)
-            floor = core.denominator_floor(phi_q, z[:, None, :, -1], den_floor)
-            return (num / core.guard_denominator(den, floor=floor)[..., None]).astype(q.dtype)
+            mass = z[..., -1] if den_floor else None  # the query's mass column is 0
+            out = core.read_out(phi_q.astype(_f32), s, z, mass, den_floor=den_floor)
+            return out.astype(q.dtype)
         summary = core.block_state(
             keys.phi, v, mask=mask, log_decay=keys.log_decay, key_log_scale=keys.log_scale
         )
