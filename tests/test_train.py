@@ -167,6 +167,53 @@ def _encoder(pooling, **kw):
     )
 
 
+def test_image_stem_tokens_and_errors():
+    """The image stem (mini Pathfinder) turns an S x S image of pixel ids into (S/p)^2
+    tokens; a token sees only its patch plus conv_stem pixels around it (a pixel far from a
+    patch leaves that patch's token unchanged), and bad grids / settings raise."""
+    from flax import traverse_util
+    from flax.core import meta
+
+    kw = dict(vocab_size=256, num_layers=0, emb_dim=8, num_heads=2, qkv_dim=8, mlp_dim=8)
+    enc = models.Encoder(
+        max_len=64, conv_stem=1, patch_size=2, pooling="first", pad_mask=False, **kw
+    )
+    img = jax.random.randint(jax.random.key(0), (2, 64), 0, 256)
+    params = enc.init(jax.random.key(1), img, deterministic=True)
+    flat = traverse_util.flatten_dict(meta.unbox(params["params"]))
+    assert {"/".join(k) for k in flat} == {
+        "pixel_embed/kernel",
+        "pixel_embed/bias",
+        "stem_0/kernel",
+        "stem_0/bias",
+        "patches/kernel",
+        "patches/bias",
+        "ln_final/scale",
+        "ln_final/bias",
+        "pos_embed",
+    }
+    assert flat[("pos_embed",)].shape == (16, 8)  # (8 / 2)^2 tokens, no CLS
+
+    def tokens(x):  # the stem's tokens, before positions: pooling "first" reads token 0
+        return enc.apply(params, x, deterministic=True)
+
+    far = img.at[:, 7 * 8 + 7].set(0)  # bottom-right pixel: outside token 0's reach
+    np.testing.assert_array_equal(tokens(img), tokens(far))
+    near = img.at[:, 2 * 8 + 2].set((img[:, 2 * 8 + 2] + 128) % 256)  # 3x3 conv reaches (1,1)
+    assert not np.allclose(tokens(img), tokens(near))
+    bad = [
+        (dict(max_len=60, conv_stem=1, pad_mask=False), (1, 60), "square grid"),
+        (dict(max_len=49, patch_size=2, pad_mask=False), (1, 49), "square grid"),
+        (dict(max_len=64, conv_stem=1, pad_mask=True), (1, 64), "pad_mask=False"),
+        (dict(max_len=64, conv_stem=-1, pad_mask=False), (1, 64), "conv_stem >= 0"),
+    ]
+    for fields, shape, match in bad:
+        with pytest.raises(ValueError, match=match):
+            models.Encoder(**kw, **fields).init(
+                jax.random.key(0), jnp.ones(shape, jnp.int32), deterministic=True
+            )
+
+
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
 def test_padding_is_ignored(pooling):
     """Changing what sits under pad positions can't change the output: the pad mask is

@@ -59,6 +59,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.pos_emb = "learned"  # "learned" (N(0, 0.02)) or "sinusoidal" (fixed)
     c.model.pad_mask = True  # token id 0 is padding -> key-padding mask (False for images)
     c.model.tied_layers = False  # one block applied num_layers times (LRA ListOps "tied_weights")
+    c.model.conv_stem = (
+        0  # image stem: 3x3 conv layers on the pixel grid before attention (0 = off)
+    )
+    c.model.patch_size = 1  # image stem: square patches per token (1 = one token per pixel)
     c.model.dtype = "float32"  # computation dtype: "bfloat16" = mixed precision (params float32)
 
     # --- optimisation (optax adamw, LRA's Adam: b2 0.98, eps 1e-9, decoupled weight decay)

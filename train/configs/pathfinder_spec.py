@@ -110,7 +110,7 @@ MINI = PathfinderSpec(
     paddle_length=2.0,
     margin=1.0,
     seed_distance=4.0,
-    num_train=8_000,
+    num_train=40_000,
     num_val=1_000,
     num_test=1_000,
 )

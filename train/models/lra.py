@@ -2,7 +2,9 @@
 
 The encoder (LRA's ``TransformerEncoder``, pre-LN)::
 
-    x = embed(tokens) [+ CLS]  + pos_emb           [B, T(+1), E]
+    x = embed(tokens)                              [B, T, E]
+    [image stem: conv_stem x (3x3 conv -> gelu), then patch_size x patch_size patches]
+    x = x [+ CLS] + pos_emb                        [B, T'(+1), E]
     repeat num_layers:  x = x + Dropout(MHA(LN(x), mask))
                         x = x + MLP(LN(x))         MLP: Dense(mlp) -> gelu -> Dense(E)
     x = LN(x)
@@ -14,6 +16,15 @@ Pooling: ``cls`` (a learned CLS vector prepended, always attended; LRA's choice)
 (mean over non-pad positions), ``first`` (position 0, no extra token). The classifier head
 is LRA's ``Dense(mlp) -> relu -> Dense(num_classes)``; the dual encoder (Retrieval) runs one
 shared encoder on both documents and classifies ``[u, v, u * v, u - v]``.
+
+The image stem (``conv_stem > 0`` or ``patch_size > 1``; off by default, as in LRA, which
+embeds each grey level as a token) reads the T token ids as the intensities of a square
+S x S image (``id / (vocab_size - 1)``), embeds them linearly, applies ``conv_stem`` 3x3
+convolutions (width E, gelu) and cuts the grid into ``patch_size`` x ``patch_size``
+patches (one strided convolution), so the attention sees ``T / patch_size^2`` tokens that
+each know their neighbourhood. The mini Pathfinder preset uses it: on a 2-core CPU budget
+a transformer over grey-level tokens does not learn that task (it memorises the training
+images through their exact grey levels; README, Pathfinder).
 
 Parameters carry logical axis names (``vocab``, ``embed``, ``mlp``, ``heads``, ``kv``,
 ``classes``) for FSDP-style sharding by the rules in the config. Collections: ``params``;
@@ -28,6 +39,7 @@ float32 internals, and the logits are returned in float32.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -62,6 +74,8 @@ class Encoder(nn.Module):
       pos_emb: one of ``POS_EMBS``.
       pad_mask: whether token 0 is padding (masked out of attention and mean pooling).
       tied_layers: share one block across all layers.
+      conv_stem: 3x3 convolution layers of the image stem (0: none).
+      patch_size: side of the square patches the image stem cuts (1: one token per pixel).
       dtype: computation dtype (None: float32 from the params; ``jnp.bfloat16`` for mixed
         precision). Parameters are float32 either way.
       mesh, batch_axes: the attention runs sequence-parallel over the mesh axis ``"seq"``
@@ -82,9 +96,41 @@ class Encoder(nn.Module):
     pos_emb: str = "learned"
     pad_mask: bool = True
     tied_layers: bool = False
+    conv_stem: int = 0
+    patch_size: int = 1
     dtype: Any = None
     mesh: Any = None
     batch_axes: Any = None
+
+    def image_stem(self, tokens, mask):
+        """Pixel ids ``[B, S*S]`` -> ``[B, (S/p)^2, E]`` and the mask (module docstring)."""
+        (b, t), e = tokens.shape, self.emb_dim
+        side = math.isqrt(t)
+        if side * side != t or side % self.patch_size:
+            raise ValueError(
+                f"the image stem (conv_stem={self.conv_stem}, patch_size={self.patch_size}) "
+                f"needs a square grid of tokens whose side divides by patch_size, got T={t}"
+            )
+        if self.pad_mask:
+            raise ValueError("the image stem needs pad_mask=False (every pixel is a token)")
+        if self.conv_stem < 0 or self.patch_size < 1:
+            raise ValueError(
+                f"need conv_stem >= 0 and patch_size >= 1, got {self.conv_stem}, {self.patch_size}"
+            )
+        x = tokens.reshape(b, side, side, 1).astype(jnp.float32) / (self.vocab_size - 1)
+        x = dense(e, "pixel_embed", (None, "embed"), self.dtype)(x)  # [B, S, S, E]
+        for i in range(self.conv_stem):
+            x = nn.gelu(nn.Conv(e, (3, 3), dtype=self.dtype, name=f"stem_{i}")(x))
+        p = self.patch_size
+        if p > 1:
+            x = nn.Conv(e, (p, p), strides=(p, p), dtype=self.dtype, name="patches")(x)
+        side //= p
+        return x.reshape(b, side * side, e), mask[:, : side * side]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the attention sees at ``T = max_len`` (after the image stem's patches)."""
+        return self.max_len // (self.patch_size * self.patch_size)
 
     @nn.compact
     def __call__(self, tokens, *, deterministic: bool):
@@ -99,15 +145,18 @@ class Encoder(nn.Module):
             raise ValueError(f"pos_emb must be one of {POS_EMBS}, got {self.pos_emb!r}")
         b, t = tokens.shape
         mask = tokens != 0 if self.pad_mask else jnp.ones((b, t), bool)  # [B, T]
-        x = embedding(self.vocab_size, self.emb_dim, 1.0, self.dtype)(tokens)  # [B, T, E]
+        if self.conv_stem or self.patch_size != 1:
+            x, mask = self.image_stem(tokens, mask)  # [B, T', E]
+        else:
+            x = embedding(self.vocab_size, self.emb_dim, 1.0, self.dtype)(tokens)  # [B, T, E]
         if self.pooling == "cls":
             x = prepend_cls(self, x)
             mask = jnp.concatenate([jnp.ones((b, 1), bool), mask], axis=1)  # CLS attends
         length = x.shape[1]
         if self.pos_emb == "learned":
-            pos = learned_positions(self, self.max_len + (self.pooling == "cls"), self.emb_dim)
+            pos = learned_positions(self, self.num_tokens + (self.pooling == "cls"), self.emb_dim)
         else:
-            pos = jnp.asarray(sinusoidal_positions(self.max_len + 1, self.emb_dim))
+            pos = jnp.asarray(sinusoidal_positions(self.num_tokens + 1, self.emb_dim))
         x = x + pos[None, :length].astype(x.dtype)
         x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
 
@@ -204,6 +253,8 @@ def build_encoder(config, *, vocab_size: int, max_len: int) -> Encoder:
         pos_emb=m.pos_emb,
         pad_mask=m.pad_mask,
         tied_layers=m.tied_layers,
+        conv_stem=m.get("conv_stem", 0),
+        patch_size=m.get("patch_size", 1),
         dtype=compute_dtype(config),
     )
 
