@@ -96,12 +96,13 @@ PATHX = PathfinderSpec(
     image_size=128, paddle_length=5.0, margin=2.0, seed_distance=20.0, marker_radius=3.0
 )
 # MINI: the easiest setting we found where no cheap feature predicts the label, for a
-# 2-core CPU: 12 x 12 images (144 tokens), main contours of 3 paddles with origins 4 px
+# 2-core CPU: 12 x 12 images (144 pixels), main contours of 3 paddles with origins 4 px
 # apart, no distractors (12 x 12 has room for about 0.3 of one). Measured by `python -m
 # train.data.pathfinder --variant mini`, 2000 images: label visible in 100%, marker
 # distance AUC 0.475, ink AUC 0.494. Contours of 2 paddles make the marker distance predict
 # the label (AUC 0.13-0.25 at 10-12 px); 16 x 16 with 4-paddle contours and one distractor
-# (the previous MINI) is also balanced but larger.
+# (the previous MINI) is also balanced but larger. 40000 training images (cheap to draw):
+# with 8000 the mini model (train.configs.pathfinder) overfits before it generalises.
 MINI = PathfinderSpec(
     image_size=12,
     contour_length=3,
