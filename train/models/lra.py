@@ -3,7 +3,8 @@
 The encoder (LRA's ``TransformerEncoder``, pre-LN)::
 
     x = embed(tokens)                              [B, T, E]
-    [image stem: conv_stem x (3x3 conv -> gelu), then patch_size x patch_size patches]
+        or the image stem: Dense(pixel / 255) -> conv_stem x (3x3 conv -> gelu)
+        -> patch_size x patch_size patches         [B, T' = T / patch_size^2, E]
     x = x [+ CLS] + pos_emb                        [B, T'(+1), E]
     repeat num_layers:  x = x + Dropout(MHA(LN(x), mask))
                         x = x + MLP(LN(x))         MLP: Dense(mlp) -> gelu -> Dense(E)
