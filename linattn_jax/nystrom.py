@@ -43,17 +43,30 @@ then ``C_q (.)``. Cost O((Tq + Tk) m d + m^3).
   ``A^+`` by Newton-Schulz.
 
   Injective feature map (the paper; default ``normalize="injective"``):
-  ``c_i = kappa(q_i, K~)`` is whitened per landmark coordinate over the (unmasked) queries
-  of the same sequence (the diagonal approximation of the paper's whitening matrix;
-  statistics per sequence, never across the batch), ``c^_i = (c_i - mean_i c) /
-  sqrt(var_i c + 1e-5)``, and ``out_i = c^_i A^+ (C_k V)``: no row normalisation, no 1/T.
-  With m = T, an exact inverse and eps = 0 this is ``whiten_columns(K) V`` for the full
-  Laplace kernel matrix K. Its scale is not normalised and is large (at init, largest layer:
-  std 8 x std(v) on ListOps mini, T = 129; 36 x on ViT mini, T = 65; 207 x on DeiT-tiny,
-  T = 197); the block's output projection and the next LayerNorm absorb it. Ablations:
-  ``normalize="row"`` ``(c_i A^+ C_k V) / (c_i A^+ C_k 1)``
-  (guarded, `core.guard_denominator`) and ``normalize="none"``, plain Nystrom
-  ``c_i A^+ C_k V``.
+  ``c_i = kappa(q_i, K~)`` is multiplied by the diagonal approximation of the paper's
+  whitening matrix, ``W = diag(var c + 1e-5)^-1/2`` with each landmark coordinate's variance
+  over the (unmasked) queries of the same sequence (statistics per sequence, never across
+  the batch), and ``out_i = c_i W A^+ (C_k V)``: no row normalisation, no 1/T. W is
+  invertible and the same for every query, so distinct similarity vectors give distinct
+  features (row normalisation merges rows that differ by a factor). With m = T, an exact
+  inverse and eps = 0 this is ``K W V`` for the full Laplace kernel matrix K (each column
+  of K scaled by 1 / its std over the queries).
+  The seed says only that the map "normalises the query-key similarity vectors with a
+  diagonally approximated whitening matrix"; it does not centre them, and we do not (our
+  SPEC and the earlier default did: ``normalize="centered"``, ``(c_i - mean_i c) W``).
+  Centring makes every landmark column sum to zero over the queries, so the global output
+  sums to zero over the sequence, ``sum_i out_i = 0`` exactly: a model that mean-pools its
+  tokens (our Pathfinder encoder; the paper's ViTs pool globally) sees the global branch
+  only through the nonlinearities after it. Measured on mini Pathfinder (``python -m train
+  --task pathfinder --preset mini --attention laplacian``; README): centred 49.2% test, at
+  chance like mean pooling, uncentred 60.0%.
+  The output's scale is not normalised and is large: the uncentred features keep each
+  coordinate's mean (mean / std of a column is O(1) - O(10)), which gives the output a
+  query-independent part on top of the query-dependent one (numbers on the real models'
+  activations in docs/activations.md); the block's output projection and the next
+  LayerNorm absorb it. Ablations: ``normalize="centered"`` (above), ``normalize="row"``
+  ``(c_i A^+ C_k V) / (c_i A^+ C_k 1)`` (guarded, `core.guard_denominator`) and
+  ``normalize="none"``, plain Nystrom ``c_i A^+ C_k V``.
 
   Landmark matrix (our choice, config ``shared_landmarks``, default True): one landmark set,
   the key landmarks K~, on both sides, ``A = kappa(K~, K~)``, ``C_k = kappa(K~, K)``. A is
@@ -245,14 +258,16 @@ def _heads_first(x):
     return jnp.swapaxes(x, 1, 2)  # [B, T, H, D] <-> [B, H, T, D]
 
 
-def _whiten(c, qmask, axis=None):
-    """Per-landmark-coordinate whitening of ``c [B, H, Tq, L]`` over the unmasked queries
-    (of the whole sequence: with `axis`, the sums run over its devices too)."""
+def _whiten(c, qmask, axis=None, center=False):
+    """The diagonal whitening matrix of ``c [B, H, Tq, L]``, ``diag(var + eps)^-1/2`` with
+    each landmark coordinate's variance over the unmasked queries (of the whole sequence:
+    with `axis`, the sums run over its devices too), applied to c (``center=True``: to
+    ``c - mean``, the ``normalize="centered"`` ablation)."""
     w = qmask[:, None, :, None].astype(_f32)
     n = jnp.maximum(_seq.psum(jnp.sum(w, axis=2, keepdims=True), axis), 1.0)
     mean = _seq.psum(jnp.sum(c * w, axis=2, keepdims=True), axis) / n
     var = _seq.psum(jnp.sum(jnp.square(c - mean) * w, axis=2, keepdims=True), axis) / n
-    return (c - mean) * lax.rsqrt(var + WHITEN_EPS)
+    return ((c - mean) if center else c) * lax.rsqrt(var + WHITEN_EPS)
 
 
 def _local_taps(window: int, grid):
@@ -370,7 +385,10 @@ def _nystrom(
     c_k = kappa(left, kh, kmask, axis) * row_valid  # [B, H, L, Tk]
     a_inv = invert(a)
 
-    feats = _whiten(c_q, qmask, axis) if normalize == "injective" else c_q
+    if normalize in ("injective", "centered"):
+        feats = _whiten(c_q, qmask, axis, center=normalize == "centered")
+    else:
+        feats = c_q
     vh = _heads_first(v.astype(_f32)) * kmask[:, None, :, None]  # [B, H, Tk, Dv]
     local = local_w is not None and tq == tk
 
@@ -681,7 +699,7 @@ def soft_weights(
 # --------------------------------------------------------------------------- laplacian
 
 _LAP = "laplacian"
-_LAP_NORMALIZE = ("injective", "row", "none")
+_LAP_NORMALIZE = ("injective", "centered", "row", "none")
 
 
 def laplacian_lam_init(head_dim: int) -> float:
@@ -829,8 +847,9 @@ def laplacian_attention(
         a ``w x w`` local branch).
       inverse: ``"iterative"`` (Newton-Schulz) or ``"exact"`` (``(A + eps I)^-1`` by an LU
         solve).
-      normalize: ``"injective"`` (the paper: whitened ``c^ A^+ C_k V``), ``"row"`` (divided
-        by ``c A^+ C_k 1``) or ``"none"`` (plain Nystrom ``c A^+ C_k V``).
+      normalize: ``"injective"`` (the paper: ``c W A^+ C_k V``, W the diagonal whitening
+        matrix), ``"centered"`` (``(c - mean c) W A^+ C_k V``), ``"row"`` (divided by
+        ``c A^+ C_k 1``) or ``"none"`` (plain Nystrom ``c A^+ C_k V``).
       local_window: w, the local branch's window (odd; 0 = off).
       shared_landmarks: A and C_k from the key landmarks on both sides (symmetric A; the
         default, see the module docstring) or, when False, query landmarks on the left.
@@ -867,7 +886,7 @@ def laplacian_reference(
     impl="auto",
     interpret=False,
 ):
-    """`laplacian_attention` with ``c^ A^+ C_k`` and the local branch materialised
+    """`laplacian_attention` with ``c W A^+ C_k`` and the local branch materialised
     (``[B, H, Tq, Tk]``)."""
     del rng, deterministic
     out = _laplacian(

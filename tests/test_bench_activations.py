@@ -100,6 +100,8 @@ def test_laplacian_stats_small():
     shared = r["landmarks"]["shared"]
     assert shared["residual"][30] < 1e-3 and shared["residual"][30] <= shared["residual"][5]
     assert shared["triple"] < 1e-2 and shared["sigma_min"] > 0
+    # total variance = within-sequence (query-dependent) + between the sequence means
+    assert 0 < shared["query_scale"] <= shared["scale"] * (1 + 1e-9)
     lo, mid, hi = r["kernel_q"]["d/2"]
     assert 0 < lo <= mid <= hi <= 1
 

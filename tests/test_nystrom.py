@@ -23,6 +23,7 @@ CASES = [
     ("soft", {"normalize": "none"}),
     ("soft", {"normalize": "row"}),
     ("laplacian", {"normalize": "injective"}),
+    ("laplacian", {"normalize": "centered"}),
     ("laplacian", {"normalize": "row"}),
     ("laplacian", {"normalize": "none"}),
     ("laplacian", {"shared_landmarks": False, "local_window": 0}),
@@ -36,7 +37,7 @@ WEIGHTS = {
 H, D = 2, 8
 # Linear path vs materialised reference (relative to the largest entry), by normalisation:
 # the plain "row" ablation divides by estimated row sums that can come close to 0.
-_TOL_LINEAR = {None: 1e-5, "none": 1e-5, "injective": 1e-5, "row": 2e-4}
+_TOL_LINEAR = {None: 1e-5, "none": 1e-5, "injective": 1e-5, "centered": 1e-5, "row": 2e-4}
 
 
 def _inputs(seed, b=2, tq=10, tk=None, h=H, d=D, dv=4, scale=1.0, dtype=jnp.float32):
@@ -95,10 +96,11 @@ def _apply(w, v):
     return np.einsum("bhij,bjhd->bihd", w, v)
 
 
-def _whiten_np(c):
-    """Column whitening over the query axis (-2) of c [B,H,T,L]."""
+def _whiten_np(c, center=False):
+    """Each column of c [B,H,T,L] divided by its std over the query axis (-2), after
+    subtracting its mean when `center`."""
     mu, var = c.mean(-2, keepdims=True), c.var(-2, keepdims=True)
-    return (c - mu) / np.sqrt(var + ny.WHITEN_EPS)
+    return (c - mu if center else c) / np.sqrt(var + ny.WHITEN_EPS)
 
 
 def _local_np(w, v):
@@ -150,19 +152,22 @@ def test_laplacian_m_equals_t_is_full_laplace_kernel():
     """Landmarks = tokens, an exact inverse, eps = 0 and no local branch: laplacian is the
     quadratic computation on the full Laplace kernel matrix K = kappa(Q, K) (with shared
     landmarks C_q = K and A^+ C_k = kappa(K, K)^-1 kappa(K, K) = I), in every normalisation:
-    row: K V / K 1;  injective: whiten_columns(K) V;  none: K V."""
+    row: K V / K 1;  injective: K W V (W = 1 / each column's std);  centered: the columns
+    of K also centred;  none: K V."""
     q, k, v = _inputs(1, tq=8)
     params = _params("laplacian", local_window=0)
     kmat = _laplace_np(_np(q), _np(k), np.exp(_np(params["log_lam"])))
     want = {
         "row": _apply(kmat / kmat.sum(-1, keepdims=True), _np(v)),
         "injective": _apply(_whiten_np(kmat), _np(v)),
+        "centered": _apply(_whiten_np(kmat, center=True), _np(v)),
         "none": _apply(kmat, _np(v)),
     }
     errs = {}
     for norm, inverse, iters in (
         ("row", "exact", 20),
         ("injective", "exact", 20),
+        ("centered", "exact", 20),
         ("none", "exact", 20),
         ("row", "iterative", 60),
         ("injective", "iterative", 60),
@@ -303,6 +308,29 @@ def test_query_dependent_part_does_not_vanish():
     flat = np.asarray(out[0, :, 0], np.float64)  # [T, Dv]
     dist = np.abs(flat[:, None] - flat[None]).max(-1) + np.eye(len(flat))
     assert dist.min() > 1e-4
+
+
+def test_mean_pooling_sees_the_injective_output_not_the_centred_one():
+    """Centring the similarity columns (``normalize="centered"``) makes the global output sum
+    to zero over the valid queries of each sequence, whatever the input: a mean-pooling
+    classifier cannot see it. The injective map (no centring) keeps a pooled part that
+    depends on the input."""
+    q, k, v = _inputs(21, tq=12)
+    mask = jnp.arange(12)[None, :] < jnp.array([12, 7])[:, None]
+    params = _params("laplacian", local_window=0)
+    cfg = dict(num_landmarks=4, mask=mask, local_window=0)
+    pooled = {}
+    for norm in ("centered", "injective"):
+        for scale in (1.0, 2.0):  # two different values of v
+            out = ny.laplacian_attention(q, k, scale * jnp.tanh(v), params, normalize=norm, **cfg)
+            valid = mask[:, :, None, None]
+            pooled[norm, scale] = np.asarray(jnp.sum(jnp.where(valid, out, 0.0), axis=1))
+    size = max(float(np.max(np.abs(pooled["injective", s]))) for s in (1.0, 2.0))
+    print(f"pooled: centred {np.max(np.abs(pooled['centered', 2.0])):.2e}, injective {size:.3g}")
+    for scale in (1.0, 2.0):
+        assert np.max(np.abs(pooled["centered", scale])) < 1e-4 * size
+    change = np.max(np.abs(pooled["injective", 2.0] - pooled["injective", 1.0]))
+    assert change > 0.1 * size
 
 
 def test_local_branch_is_a_depthwise_convolution():
