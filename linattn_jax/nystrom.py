@@ -43,30 +43,34 @@ then ``C_q (.)``. Cost O((Tq + Tk) m d + m^3).
   ``A^+`` by Newton-Schulz.
 
   Injective feature map (the paper; default ``normalize="injective"``):
-  ``c_i = kappa(q_i, K~)`` is multiplied by the diagonal approximation of the paper's
-  whitening matrix, ``W = diag(var c + 1e-5)^-1/2`` with each landmark coordinate's variance
-  over the (unmasked) queries of the same sequence (statistics per sequence, never across
-  the batch), and ``out_i = c_i W A^+ (C_k V)``: no row normalisation, no 1/T. W is
-  invertible and the same for every query, so distinct similarity vectors give distinct
-  features (row normalisation merges rows that differ by a factor). With m = T, an exact
-  inverse and eps = 0 this is ``K W V`` for the full Laplace kernel matrix K (each column
-  of K scaled by 1 / its std over the queries).
+  ``c_i = kappa(q_i, K~)`` is multiplied by a diagonal whitening matrix,
+  ``W = diag(E c^2 + 1e-5)^-1/2`` with each landmark coordinate's second moment over the
+  (unmasked) queries of the same sequence (statistics per sequence, never across the
+  batch), and ``out_i = c_i W A^+ (C_k V)``: no row normalisation, no 1/T. W is invertible
+  and the same for every query, so distinct similarity vectors give distinct features (row
+  normalisation merges rows that differ by a factor). With m = T, an exact inverse and
+  eps = 0 this is ``K W V`` for the full Laplace kernel matrix K (each column of K divided
+  by its root mean square over the queries).
   The seed says only that the map "normalises the query-key similarity vectors with a
-  diagonally approximated whitening matrix"; it does not centre them, and we do not (our
-  SPEC and the earlier default did: ``normalize="centered"``, ``(c_i - mean_i c) W``).
-  Centring makes every landmark column sum to zero over the queries, so the global output
-  sums to zero over the sequence, ``sum_i out_i = 0`` exactly: a model that mean-pools its
-  tokens (our Pathfinder encoder; the paper's ViTs pool globally) sees the global branch
-  only through the nonlinearities after it. Measured on mini Pathfinder (``python -m train
-  --task pathfinder --preset mini --attention laplacian``; README): centred 49.2% test, at
-  chance like mean pooling, uncentred 60.0%.
-  The output's scale is not normalised and is large: the uncentred features keep each
-  coordinate's mean (mean / std of a column is O(1) - O(10)), which gives the output a
-  query-independent part on top of the query-dependent one (numbers on the real models'
-  activations in docs/activations.md); the block's output projection and the next
-  LayerNorm absorb it. Ablations: ``normalize="centered"`` (above), ``normalize="row"``
-  ``(c_i A^+ C_k V) / (c_i A^+ C_k 1)`` (guarded, `core.guard_denominator`) and
-  ``normalize="none"``, plain Nystrom ``c_i A^+ C_k V``.
+  diagonally approximated whitening matrix". Where it is silent we chose, and measured
+  (``python -m train.bench_activations --sections laplacian``, docs/activations.md; mini
+  Pathfinder in the README):
+  - No centring. Our SPEC's reading (and this library's default until 5f6f2f8,
+    ``normalize="centered"``) whitened ``c_i - E c`` by the std. That makes every landmark
+    column sum to zero over the queries, so the global output sums to zero over the
+    sequence, ``sum_i out_i = 0`` exactly: a model that mean-pools its tokens (our
+    Pathfinder encoder; the paper's ViTs pool globally) sees the global branch only through
+    the nonlinearities after it.
+  - The second moment, not the variance, in W: the kernel columns vary little over the
+    queries against their mean, so dividing the uncentred c by its std (tried in 5f6f2f8)
+    gave outputs of std 220x, 2100x and 43800x std(v) at init (ListOps mini, ViT mini,
+    DeiT-tiny; largest layer), almost all of it the same for every query (the
+    query-dependent part: 24x, 45x, 630x). With the second moment every feature has unit
+    root mean square.
+  The output's scale is not normalised (numbers in docs/activations.md); the block's output
+  projection and the next LayerNorm absorb it. Ablations: ``normalize="centered"`` (above),
+  ``normalize="row"`` ``(c_i A^+ C_k V) / (c_i A^+ C_k 1)`` (guarded,
+  `core.guard_denominator`) and ``normalize="none"``, plain Nystrom ``c_i A^+ C_k V``.
 
   Landmark matrix (our choice, config ``shared_landmarks``, default True): one landmark set,
   the key landmarks K~, on both sides, ``A = kappa(K~, K~)``, ``C_k = kappa(K~, K)``. A is
@@ -259,15 +263,16 @@ def _heads_first(x):
 
 
 def _whiten(c, qmask, axis=None, center=False):
-    """The diagonal whitening matrix of ``c [B, H, Tq, L]``, ``diag(var + eps)^-1/2`` with
-    each landmark coordinate's variance over the unmasked queries (of the whole sequence:
-    with `axis`, the sums run over its devices too), applied to c (``center=True``: to
-    ``c - mean``, the ``normalize="centered"`` ablation)."""
+    """Diagonal whitening of ``c [B, H, Tq, L]`` over the unmasked queries (of the whole
+    sequence: with `axis`, the sums run over its devices too): ``c diag(E c^2 + eps)^-1/2``,
+    the second moment of each landmark coordinate (``center=True``: ``(c - E c) diag(var c +
+    eps)^-1/2``, the ``normalize="centered"`` ablation)."""
     w = qmask[:, None, :, None].astype(_f32)
     n = jnp.maximum(_seq.psum(jnp.sum(w, axis=2, keepdims=True), axis), 1.0)
-    mean = _seq.psum(jnp.sum(c * w, axis=2, keepdims=True), axis) / n
-    var = _seq.psum(jnp.sum(jnp.square(c - mean) * w, axis=2, keepdims=True), axis) / n
-    return ((c - mean) if center else c) * lax.rsqrt(var + WHITEN_EPS)
+    if center:
+        c = c - _seq.psum(jnp.sum(c * w, axis=2, keepdims=True), axis) / n
+    second = _seq.psum(jnp.sum(jnp.square(c) * w, axis=2, keepdims=True), axis) / n
+    return c * lax.rsqrt(second + WHITEN_EPS)
 
 
 def _local_taps(window: int, grid):
@@ -848,8 +853,8 @@ def laplacian_attention(
       inverse: ``"iterative"`` (Newton-Schulz) or ``"exact"`` (``(A + eps I)^-1`` by an LU
         solve).
       normalize: ``"injective"`` (the paper: ``c W A^+ C_k V``, W the diagonal whitening
-        matrix), ``"centered"`` (``(c - mean c) W A^+ C_k V``), ``"row"`` (divided by
-        ``c A^+ C_k 1``) or ``"none"`` (plain Nystrom ``c A^+ C_k V``).
+        matrix), ``"centered"`` (``(c - mean c)`` whitened by its std), ``"row"`` (divided
+        by ``c A^+ C_k 1``) or ``"none"`` (plain Nystrom ``c A^+ C_k V``).
       local_window: w, the local branch's window (odd; 0 = off).
       shared_landmarks: A and C_k from the key landmarks on both sides (symmetric A; the
         default, see the module docstring) or, when False, query landmarks on the left.

@@ -97,10 +97,11 @@ def _apply(w, v):
 
 
 def _whiten_np(c, center=False):
-    """Each column of c [B,H,T,L] divided by its std over the query axis (-2), after
-    subtracting its mean when `center`."""
-    mu, var = c.mean(-2, keepdims=True), c.var(-2, keepdims=True)
-    return (c - mu if center else c) / np.sqrt(var + ny.WHITEN_EPS)
+    """Each column of c [B,H,T,L] divided by its root mean square over the query axis (-2);
+    with `center`, its mean subtracted first (then the divisor is its std)."""
+    if center:
+        c = c - c.mean(-2, keepdims=True)
+    return c / np.sqrt((c**2).mean(-2, keepdims=True) + ny.WHITEN_EPS)
 
 
 def _local_np(w, v):
@@ -152,8 +153,8 @@ def test_laplacian_m_equals_t_is_full_laplace_kernel():
     """Landmarks = tokens, an exact inverse, eps = 0 and no local branch: laplacian is the
     quadratic computation on the full Laplace kernel matrix K = kappa(Q, K) (with shared
     landmarks C_q = K and A^+ C_k = kappa(K, K)^-1 kappa(K, K) = I), in every normalisation:
-    row: K V / K 1;  injective: K W V (W = 1 / each column's std);  centered: the columns
-    of K also centred;  none: K V."""
+    row: K V / K 1;  injective: K W V (W = 1 / each column's root mean square);  centered:
+    the columns of K centred, then divided by their std;  none: K V."""
     q, k, v = _inputs(1, tq=8)
     params = _params("laplacian", local_window=0)
     kmat = _laplace_np(_np(q), _np(k), np.exp(_np(params["log_lam"])))
