@@ -35,8 +35,8 @@ then ``C_q (.)``. Cost O((Tq + Tk) m d + m^3).
   config ``lam`` is None (the default), or the fixed value ``lam`` (then there is no param;
   the paper's models use lam = 4). The paper does not say how lambda scales with d; we
   init it at d / 2 (`laplacian_lam_init`): on the q, k of the real LRA encoder and ViT at
-  init the median L1 distance is 1.11 d - 1.15 d, so the median kernel entry is 0.10 - 0.11
-  (median C_q entry 0.12 - 0.16), where sqrt(d) gives 1.2e-4 at d = 64 (measured by
+  init the median L1 distance is 1.12 d - 1.16 d, so the median kernel entry is 0.10 - 0.11
+  (median C_q entry 0.10 - 0.12), where sqrt(d) gives 1.3e-4 at d = 64 (measured by
   ``python -m train.bench_activations --sections laplacian``; docs/activations.md, like
   every real-activation number below). Kernel matrices from
   `kernels.laplace_kernel` (Pallas on GPU; ``impl``/``interpret`` are passed through),
@@ -77,13 +77,13 @@ then ``C_q (.)``. Cost O((Tq + Tk) m d + m^3).
   then symmetric positive definite (the Laplace kernel is positive definite), so
   ``A + eps I`` has sigma_min >= eps and Newton-Schulz converges. Nystromformer's separate
   query landmarks (``shared_landmarks=False``, ``A = kappa(Q~, K~)``) give a non-symmetric
-  A whose sigma_min falls to 7.5e-7 - 6.7e-6 against sigma_max 3.7 - 21 on the real
+  A whose sigma_min falls to 4.6e-6 - 2.6e-25 against sigma_max 3.7 - 12 on the real
   activations at init (ListOps mini, ViT mini, DeiT-tiny; lambda = d / 2): there the
-  Newton-Schulz residual ``max |P V - I|`` is 0.38 - 0.64 after 20 steps and 0.013 - 0.29
-  after 30, float32 diverges by 60 steps on DeiT-tiny (1e3), and the output is 1.5 - 8.6x the
-  scale of the shared form's (std(out) / std(v) 69 vs 8, 135 vs 36, 312 vs 207). Shared
-  landmarks: sigma_min(A) >= 0.03, residual <= 4.6e-4 after 20 steps and <= 1.4e-4 after 30
-  (the default ``ns_iters``), and tripling the steps changes the output by <= 1e-4. Both
+  Newton-Schulz residual ``max |P V - I|`` is 0.38 - 0.60 after 20 steps and 0.026 - 0.29
+  after 30, float32 diverges by 60 steps on DeiT-tiny (44), and tripling the steps moves the
+  output by up to 77%. Shared landmarks: sigma_min(A) >= 3.9e-3, residual <= 5.8e-3 after
+  30 steps (the default ``ns_iters``; 2.9e-5 on ListOps mini), and tripling the steps
+  changes the output by <= 7.1e-4. Both
   forms estimate the same K: ``C_q A^+ C_k`` is exact when the landmarks are all the keys.
 
   Local branch (the paper's depthwise convolution on V, added to the global output):
@@ -113,8 +113,8 @@ iteration above) or ``"exact"``: ``(A + eps I)^-1`` by an LU solve (eps = 0 for
 nystromformer), a true inverse with no singular-value cutoff (``jnp.linalg.pinv`` drops
 singular values below ~1e-4 of the largest), for tests and ablations. soft and laplacian
 default to 20 and 30 Newton-Schulz steps: on the q, k, v of the real models at init (ListOps
-mini, ViT mini and DeiT-tiny) tripling them changes the output by < 0.4% (laplacian 1e-4,
-soft 3.8e-3 at most; ``python -m train.bench_activations --sections laplacian``;
+mini, ViT mini and DeiT-tiny) tripling them changes the output by < 0.1% (laplacian 7.1e-4,
+soft 1.0e-3 at most; ``python -m train.bench_activations --sections laplacian``;
 ``kernels.bench`` reports the residual against the iterations on synthetic landmark
 matrices).
 
@@ -714,9 +714,9 @@ def laplacian_lam_init(head_dim: int) -> float:
     d. On the q, k the real models produce at init (the LRA encoder on ListOps mini, d = 16;
     the ViT mini preset, d = 16, and DeiT-tiny, d = 64; measured by ``python -m
     train.bench_activations --sections laplacian``, docs/activations.md), the median L1
-    distance is 1.11 d - 1.15 d (2 d / sqrt(pi) = 1.13 d for unit Gaussians), so lambda = d / 2
-    puts the median kernel entry at 0.10 - 0.11 (10% - 90% quantiles 0.055 - 0.18), where
-    lambda = sqrt(d) gives 1.2e-4 at d = 64 and lambda = 4 gives 1.5e-8.
+    distance is 1.12 d - 1.16 d (2 d / sqrt(pi) = 1.13 d for unit Gaussians), so lambda = d / 2
+    puts the median kernel entry at 0.10 - 0.11 (10% - 90% quantiles 0.055 - 0.17), where
+    lambda = sqrt(d) gives 1.3e-4 at d = 64 and lambda = 4 gives 1.7e-8.
     """
     return head_dim / 2.0
 
