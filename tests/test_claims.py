@@ -132,6 +132,26 @@ def test_table_claims_read_finished_runs_and_skip_unlearned_tasks(tmp_path, monk
     assert table.equal_budget(settings).verdict == claims.PARTLY  # softmax learns 1 of 2
 
 
+def test_table_claims_on_a_subset_of_the_tasks(tmp_path, monkeypatch):
+    """`Settings.tasks` reports the table one task at a time: only those runs are read (the
+    others would be trained), the rest is listed as not run, and the cache key says which."""
+    monkeypatch.setattr(table, "MECHANISMS", ("softmax", "laplacian", "soft"))
+    accs = {("pathfinder", n, s): a for s in range(2) for n, a in
+            (("softmax", 0.7 + s / 100), ("laplacian", 0.55), ("soft", 0.5))}  # fmt: skip
+    _fake_runs(
+        tmp_path, accs, steps=int(table.task_config("pathfinder", "soft", 0, True).num_train_steps)
+    )
+    settings = claims.Settings(seeds=2, quick=True, workdir=tmp_path, tasks=("pathfinder",))
+    assert list(table.run_table(settings)) == ["pathfinder"]
+    finding = table.laplacian_beats_soft(settings)
+    assert finding.data["wins"] == {"pathfinder": True}
+    assert "listops: not run yet" in finding.numbers
+    assert "not run yet: listops" in table.equal_budget(settings).numbers
+    assert settings.key()["tasks"] == ["pathfinder"] and "tasks" not in claims.Settings().key()
+    with pytest.raises(ValueError, match="tasks"):
+        table.run_table(claims.Settings(tasks=("text",)))
+
+
 def test_grade():
     assert claims.grade(True, True) == claims.REPRODUCED
     assert claims.grade(True, False) == claims.PARTLY

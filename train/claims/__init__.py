@@ -49,15 +49,21 @@ class Settings:
       quick: tiny sizes (for the tests: the numbers then mean nothing).
       workdir: the training runs (large, not tracked).
       findings: the findings, ``<key>.json`` each (small, tracked by git by default).
+      tasks: the equal-budget table's tasks the training claims use (None: all of
+        `train.claims.table.TASKS`), so a table can be reported one task at a time.
     """
 
     seeds: int = 3
     quick: bool = False
     workdir: Path = Path("workdir/claims")
     findings: Path = Path("docs/claims")
+    tasks: tuple[str, ...] | None = None
 
     def key(self) -> dict[str, Any]:
-        return {"seeds": self.seeds, "quick": self.quick}
+        key: dict[str, Any] = {"seeds": self.seeds, "quick": self.quick}
+        if self.tasks is not None:
+            key["tasks"] = list(self.tasks)
+        return key
 
 
 @dataclasses.dataclass

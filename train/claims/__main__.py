@@ -2,6 +2,7 @@
 
 python -m train.claims --kind cheap          # estimator / solver / memory claims (minutes)
 python -m train.claims --kind train          # the equal-budget table and its claims
+python -m train.claims --kind train --tasks pathfinder   # ... on one of its tasks
 python -m train.claims --only ra.unbiased    # one claim (rerun with --rerun)
 python -m train.claims --report-only         # rewrite the report from docs/claims/*.json
 """
@@ -12,6 +13,7 @@ import argparse
 from pathlib import Path
 
 from train import claims
+from train.claims.table import TASKS
 
 
 def main(argv=None) -> dict:
@@ -32,6 +34,14 @@ def main(argv=None) -> dict:
     p.add_argument("--rerun", action="store_true", help="ignore cached findings")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--list", action="store_true", help="list the claims and exit")
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        default=None,
+        choices=tuple(TASKS),
+        help="the equal-budget table's tasks for the training claims (default: all); a finding "
+        "is reused only for the same tasks",
+    )
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
@@ -39,7 +49,11 @@ def main(argv=None) -> dict:
         Path(args.workdir) / "quick_findings" if args.quick else claims.Settings.findings
     )
     settings = claims.Settings(
-        seeds=args.seeds, quick=args.quick, workdir=Path(args.workdir), findings=Path(findings)
+        seeds=args.seeds,
+        quick=args.quick,
+        workdir=Path(args.workdir),
+        findings=Path(findings),
+        tasks=None if args.tasks is None else tuple(args.tasks),
     )
     chosen = claims.select(args.only, args.kind)
     if args.list:

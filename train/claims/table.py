@@ -72,11 +72,20 @@ def task_config(task: str, mechanism: str, seed: int, quick: bool = False):
     return config
 
 
+def table_tasks(settings: Settings) -> tuple[str, ...]:
+    """The tasks of the table under `settings` (``settings.tasks``, default all `TASKS`)."""
+    tasks = tuple(TASKS) if settings.tasks is None else tuple(settings.tasks)
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise ValueError(f"tasks must be a non-empty subset of {tuple(TASKS)}, got {tasks}")
+    return tasks
+
+
 def run_table(settings: Settings, mechanisms=None, tasks=None) -> dict:
     """``{task: {mechanism: [test accuracy per seed]}}`` (default: every `MECHANISMS` on
-    every `TASKS`), training what is not finished."""
+    the tasks of `table_tasks`), training what is not finished."""
     out: dict[str, dict[str, list[float]]] = {}
-    for task in tasks or tuple(TASKS):
+    for task in tasks or table_tasks(settings):
         out[task] = {}
         for name in mechanisms or MECHANISMS:
             accs = []
@@ -129,6 +138,9 @@ def equal_budget(settings: Settings) -> Finding:
         lines.append(
             f"{task}: " + ", ".join(f"{n} {_fmt(c)}" for n, c in cells.items()) + f" (best {best})"
         )
+    missing = [t for t in TASKS if t not in table]
+    if missing:
+        lines.append(f"not run yet: {', '.join(missing)}")
     learns = _learned(table)
     verdict = (
         REPRODUCED if all(learns.values()) else PARTLY if any(learns.values()) else NOT_TESTABLE
@@ -141,13 +153,14 @@ def equal_budget(settings: Settings) -> Finding:
     return Finding("; ".join(lines), verdict, why, {"table": table})
 
 
-def _compare(settings: Settings, task_rows: dict[str, tuple[str, list[str]]]) -> tuple:
-    """For each task, is `name` above every mechanism in `others` by more than the two
-    standard deviations combined?"""
+def _compare(settings: Settings, row: tuple[str, list[str]]) -> tuple:
+    """On each task of the table, is ``row = (name, others)``'s `name` above every mechanism
+    in `others` by more than the two standard deviations combined?"""
+    name, others = row
     table = run_table(settings)
     learned = _learned(table)
     wins, parts = {}, []
-    for task, (name, others) in task_rows.items():
+    for task in table:
         cells = _cells(table, task)
         if not learned[task]:
             parts.append(f"{task}: skipped, softmax {_fmt(cells['softmax'])} (not learned)")
@@ -158,6 +171,7 @@ def _compare(settings: Settings, task_rows: dict[str, tuple[str, list[str]]]) ->
         parts.append(
             f"{task}: {name} {_fmt(me)} vs " + ", ".join(f"{o} {_fmt(cells[o])}" for o in others)
         )
+    parts += [f"{t}: not run yet" for t in TASKS if t not in table]
     if not wins:
         verdict = NOT_TESTABLE
     elif all(wins.values()):
@@ -191,7 +205,7 @@ def _why(wins: dict, seeds: int) -> str:
 )
 def flexformer_beats_linear(settings: Settings) -> Finding:
     others = ["performer", "rfa", "hedgehog"]
-    numbers, verdict, wins, table = _compare(settings, {t: ("flexformer_n", others) for t in TASKS})
+    numbers, verdict, wins, table = _compare(settings, ("flexformer_n", others))
     return Finding(numbers, verdict, _why(wins, settings.seeds), {"wins": wins})
 
 
@@ -204,7 +218,7 @@ def flexformer_beats_linear(settings: Settings) -> Finding:
     kind="train",
 )
 def laplacian_beats_soft(settings: Settings) -> Finding:
-    numbers, verdict, wins, _ = _compare(settings, {t: ("laplacian", ["soft"]) for t in TASKS})
+    numbers, verdict, wins, _ = _compare(settings, ("laplacian", ["soft"]))
     return Finding(numbers, verdict, _why(wins, settings.seeds), {"wins": wins})
 
 
@@ -216,7 +230,7 @@ def laplacian_beats_soft(settings: Settings) -> Finding:
     kind="train",
 )
 def lara_trains_better(settings: Settings) -> Finding:
-    numbers, verdict, wins, _ = _compare(settings, {t: ("lara", ["performer"]) for t in TASKS})
+    numbers, verdict, wins, _ = _compare(settings, ("lara", ["performer"]))
     return Finding(numbers, verdict, _why(wins, settings.seeds), {"wins": wins})
 
 
@@ -267,7 +281,7 @@ def _distances(q, k, mask):
 )
 def mid_range(settings: Settings) -> Finding:
     rows = {}
-    for task in TASKS:
+    for task in table_tasks(settings):
         kurt, ratio, lap_mid, gau_mid = [], [], [], []
         for q, k, mask in trained_qk(settings, task):
             d1, d2, diff = _distances(q, k, mask)
