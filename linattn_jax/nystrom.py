@@ -35,7 +35,7 @@ then ``C_q (.)``. Cost O((Tq + Tk) m d + m^3).
   config ``lam`` is None (the default), or the fixed value ``lam`` (then there is no param;
   the paper's models use lam = 4). The paper does not say how lambda scales with d; we
   init it at d / 2 (`laplacian_lam_init`): on the q, k of the real LRA encoder and ViT at
-  init the median L1 distance is 1.12 d - 1.16 d, so the median kernel entry is 0.10 - 0.11
+  init the median L1 distance is 1.12 d - 1.16 d, so the median kernel entry is 0.099 - 0.11
   (median C_q entry 0.10 - 0.12), where sqrt(d) gives 1.3e-4 at d = 64 (measured by
   ``python -m train.bench_activations --sections laplacian``; docs/activations.md, like
   every real-activation number below). Kernel matrices from
@@ -715,7 +715,7 @@ def laplacian_lam_init(head_dim: int) -> float:
     the ViT mini preset, d = 16, and DeiT-tiny, d = 64; measured by ``python -m
     train.bench_activations --sections laplacian``, docs/activations.md), the median L1
     distance is 1.12 d - 1.16 d (2 d / sqrt(pi) = 1.13 d for unit Gaussians), so lambda = d / 2
-    puts the median kernel entry at 0.10 - 0.11 (10% - 90% quantiles 0.055 - 0.17), where
+    puts the median kernel entry at 0.099 - 0.11 (10% - 90% quantiles 0.055 - 0.17), where
     lambda = sqrt(d) gives 1.3e-4 at d = 64 and lambda = 4 gives 1.7e-8.
     """
     return head_dim / 2.0
