@@ -1,5 +1,6 @@
 """train.claims: the cache, the report, the CLI, and the pieces the claims are built from."""
 
+import dataclasses
 import json
 
 import jax
@@ -46,6 +47,17 @@ def test_run_caches_and_report_merges(tmp_path, toy_claim):
     assert "| A toy. | None. | x = 1 | **partly** |" in text
     assert "not run yet: `python -m train.claims --only ra.unbiased`" in text
     assert "**`toy.claim`**" in text and "because" in text
+    # `tasks` (the table's) concerns only training claims: a cheap finding is reused under
+    # it; a training finding made on some tasks is shown by every report, naming them.
+    with_tasks = dataclasses.replace(settings, tasks=("pathfinder",))
+    claims.run(claims.select(["toy.claim"]), with_tasks, log=lambda *_: None)
+    assert len(toy_claim) == 2
+    claims.claim("toy.train", paper="RA / LARA", statement="T.", experiment="E.", kind="train")(
+        lambda settings: claims.Finding("y = 2", claims.PARTLY, "table")
+    )
+    claims.run(claims.select(["toy.train"]), with_tasks, log=lambda *_: None)
+    assert claims.load(settings, "toy.train", "train") is None  # not reused for all tasks
+    assert "table tasks: pathfinder" in claims.report(settings)
 
 
 def test_select_and_finding_errors():
