@@ -134,7 +134,7 @@ def test_table_claims_read_finished_runs_and_skip_unlearned_tasks(tmp_path, monk
             ("pathfinder", "soft", seed): 0.50,
         }
     _fake_runs(tmp_path, accs)
-    settings = claims.Settings(seeds=2, quick=True, workdir=tmp_path)
+    settings = claims.Settings(seeds=2, quick=True, workdir=tmp_path, findings=tmp_path / "f")
     monkeypatch.setattr(table, "MECHANISMS", ("softmax", "laplacian", "soft"))
     got = table.run_table(settings)  # reads the summaries, trains nothing
     assert got["listops"]["laplacian"] == [0.38, 0.39]
@@ -153,12 +153,19 @@ def test_table_claims_on_a_subset_of_the_tasks(tmp_path, monkeypatch):
     _fake_runs(
         tmp_path, accs, steps=int(table.task_config("pathfinder", "soft", 0, True).num_train_steps)
     )
-    settings = claims.Settings(seeds=2, quick=True, workdir=tmp_path, tasks=("pathfinder",))
+    settings = claims.Settings(
+        seeds=2, quick=True, workdir=tmp_path, findings=tmp_path / "f", tasks=("pathfinder",)
+    )
     assert list(table.run_table(settings)) == ["pathfinder"]
     finding = table.laplacian_beats_soft(settings)
     assert finding.data["wins"] == {"pathfinder": True}
     assert "listops: not run yet" in finding.numbers
-    assert "not run yet: listops" in table.equal_budget(settings).numbers
+    found = table.equal_budget(settings)
+    assert "not run yet: listops" in found.numbers
+    png = tmp_path / "f" / found.data["plot"]  # the table's bars, beside the findings
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    claims.run(claims.select(["table.equal_budget"]), settings, log=lambda *_: None)
+    assert "![table.equal_budget](f/table.equal_budget.png)" in claims.report(settings)
     assert settings.key()["tasks"] == ["pathfinder"] and "tasks" not in claims.Settings().key()
     with pytest.raises(ValueError, match="tasks"):
         table.run_table(claims.Settings(tasks=("text",)))

@@ -131,38 +131,57 @@ def markdown_table(rows: Sequence[dict[str, Any]], *, steps=None, preset="mini")
 
 def plot(rows: Sequence[dict[str, Any]], png: str | Path) -> Path:
     """Grouped bars: test accuracy per task, one bar per attention; majority as a tick."""
+    bars, majority = {}, {}
+    for r in rows:
+        s = r.get("summary")
+        bars[r["task"], r["attention"]] = (
+            100 * ((_acc(s, "test") or _acc(s, "val")) or 0.0) if s else 0.0
+        )
+        if s and "error" not in r and r["task"] not in majority:
+            m = (s.get("test") or s.get("val") or {}).get("majority")
+            if m is not None:
+                majority[r["task"]] = 100 * m
+    return grouped_bars(bars, png, title="mini-LRA (dashed: majority class)", lines=majority)
+
+
+def grouped_bars(
+    bars: dict[tuple[str, str], float | tuple[float, float]],
+    png: str | Path,
+    *,
+    title: str,
+    ylabel: str = "test accuracy (%)",
+    lines: dict[str, float] | None = None,
+) -> Path:
+    """Bars ``{(group, name): value or (value, error bar)}``, grouped by `group` (in order of
+    appearance), one colour per `name`; `lines`: a dashed level per group."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    tasks = list(dict.fromkeys(r["task"] for r in rows))
-    attentions = list(dict.fromkeys(r["attention"] for r in rows))
-    by = {(r["task"], r["attention"]): r for r in rows}
-    width = 0.8 / max(len(attentions), 1)
-    width_in = max(5.0, 1.5 + 0.45 * len(tasks) * (len(attentions) + 1))
+    groups = list(dict.fromkeys(g for g, _ in bars))
+    names = list(dict.fromkeys(n for _, n in bars))
+    width = 0.8 / max(len(names), 1)
+    width_in = max(5.0, 1.5 + 0.45 * len(groups) * (len(names) + 1))
     fig, ax = plt.subplots(figsize=(width_in, 4.0))
-    x = np.arange(len(tasks))
-    for i, a in enumerate(attentions):
-        vals = []
-        for t in tasks:
-            r = by.get((t, a))
-            s = r.get("summary") if r else None
-            vals.append(100 * ((_acc(s, "test") or _acc(s, "val")) or 0.0) if s else 0.0)
-        ax.bar(x + (i - (len(attentions) - 1) / 2) * width, vals, width, label=a)
-    for j, t in enumerate(tasks):
-        ok = [r for r in rows if r["task"] == t and "error" not in r]
-        if ok:
-            m = (ok[0]["summary"].get("test") or ok[0]["summary"].get("val") or {}).get("majority")
-            if m is not None:
-                ax.hlines(100 * m, j - 0.45, j + 0.45, colors="k", linestyles="dashed")
-    ax.set_xticks(x, tasks)
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title("mini-LRA (dashed: majority class)", fontsize=10)
+    x = np.arange(len(groups))
+    for i, n in enumerate(names):
+        cells = [bars.get((g, n), 0.0) for g in groups]
+        vals = [c[0] if isinstance(c, tuple) else c for c in cells]
+        errs = [c[1] if isinstance(c, tuple) else 0.0 for c in cells]
+        has_err = any(isinstance(c, tuple) for c in cells)
+        ax.bar(x + (i - (len(names) - 1) / 2) * width, vals, width, label=n,
+               yerr=errs if has_err else None, capsize=2)  # fmt: skip
+    for j, g in enumerate(groups):
+        if lines and g in lines:
+            ax.hlines(lines[g], j - 0.45, j + 0.45, colors="k", linestyles="dashed")
+    ax.set_xticks(x, groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
     ax.legend(
         fontsize=8,
-        ncols=min(len(attentions), 4),
+        ncols=min(len(names), 4),
         loc="upper center",
         bbox_to_anchor=(0.5, -0.1),
         frameon=False,

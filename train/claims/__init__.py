@@ -242,6 +242,9 @@ def report(settings: Settings) -> str:
                 + " ".join(r["finding"]["why"].split()),
                 "",
             ]
+            plot = (r["finding"].get("data") or {}).get("plot")
+            if plot:  # written beside the finding; the report sits beside the findings folder
+                lines += [f"![{c.key}]({Path(settings.findings).name}/{plot})", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -27,6 +27,7 @@ from train.claims import (
     claim,
     mean_std,
 )
+from train.results import grouped_bars
 
 MECHANISMS = (
     "softmax",
@@ -150,7 +151,13 @@ def equal_budget(settings: Settings) -> Finding:
         f"each task at this budget (test accuracy above {LEARNED}): {learns}. The claims "
         "that compare its rows skip a task softmax does not learn."
     )
-    return Finding("; ".join(lines), verdict, why, {"table": table})
+    plot = Path(settings.findings) / "table.equal_budget.png"
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    bars = {(t, n): tuple(100 * x for x in mean_std(a)) for t in table for n, a in table[t].items()}
+    title = f"equal budget: test accuracy, mean +- std over {settings.seeds} seeds"
+    chance = {"pathfinder": 50.0} if "pathfinder" in table else None  # dashed: chance
+    grouped_bars(bars, plot, title=title, lines=chance)
+    return Finding("; ".join(lines), verdict, why, {"table": table, "plot": plot.name})
 
 
 def _compare(settings: Settings, row: tuple[str, list[str]]) -> tuple:
