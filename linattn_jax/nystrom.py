@@ -35,40 +35,31 @@ then ``C_q (.)``. Cost O((Tq + Tk) m d + m^3).
   config ``lam`` is None (the default), or the fixed value ``lam`` (then there is no param;
   the paper's models use lam = 4). The paper does not say how lambda scales with d; we
   init it at d / 2 (`laplacian_lam_init`): on the q, k of the real LRA encoder and ViT at
-  init the median L1 distance is 1.12 d - 1.16 d, so the median kernel entry is 0.099 - 0.11
-  (median C_q entry 0.10 - 0.12), where sqrt(d) gives 1.3e-4 at d = 64 (measured by
+  init the median L1 distance is 1.11 d - 1.15 d, so the median kernel entry is 0.10 - 0.11
+  (median C_q entry 0.12 - 0.16), where sqrt(d) gives 1.2e-4 at d = 64 (measured by
   ``python -m train.bench_activations --sections laplacian``; docs/activations.md, like
   every real-activation number below). Kernel matrices from
   `kernels.laplace_kernel` (Pallas on GPU; ``impl``/``interpret`` are passed through),
   ``A^+`` by Newton-Schulz.
 
   Injective feature map (the paper; default ``normalize="injective"``):
-  ``c_i = kappa(q_i, K~)`` is multiplied by a diagonal whitening matrix,
-  ``W = diag(E c^2 + 1e-5)^-1/2`` with each landmark coordinate's second moment over the
-  (unmasked) queries of the same sequence (statistics per sequence, never across the
-  batch), and ``out_i = c_i W A^+ (C_k V)``: no row normalisation, no 1/T. W is invertible
-  and the same for every query, so distinct similarity vectors give distinct features (row
-  normalisation merges rows that differ by a factor). With m = T, an exact inverse and
-  eps = 0 this is ``K W V`` for the full Laplace kernel matrix K (each column of K divided
-  by its root mean square over the queries).
-  The seed says only that the map "normalises the query-key similarity vectors with a
-  diagonally approximated whitening matrix". Where it is silent we chose, and measured
-  (``python -m train.bench_activations --sections laplacian``, docs/activations.md; mini
-  Pathfinder in the README):
-  - No centring. Our SPEC's reading (and this library's default until 5f6f2f8,
-    ``normalize="centered"``) whitened ``c_i - E c`` by the std. That makes every landmark
-    column sum to zero over the queries, so the global output sums to zero over the
-    sequence, ``sum_i out_i = 0`` exactly: a model that mean-pools its tokens (our
-    Pathfinder encoder; the paper's ViTs pool globally) sees the global branch only through
-    the nonlinearities after it.
-  - The second moment, not the variance, in W: the kernel columns vary little over the
-    queries against their mean, so dividing the uncentred c by its std (tried in 5f6f2f8)
-    gave outputs of std 220x, 2100x and 43800x std(v) at init (ListOps mini, ViT mini,
-    DeiT-tiny; largest layer), almost all of it the same for every query (the
-    query-dependent part: 24x, 45x, 630x). With the second moment every feature has unit
-    root mean square.
-  The output's scale is not normalised (numbers in docs/activations.md); the block's output
-  projection and the next LayerNorm absorb it. Ablations: ``normalize="centered"`` (above),
+  ``c_i = kappa(q_i, K~)`` is whitened per landmark coordinate over the (unmasked) queries
+  of the same sequence (the diagonal approximation of the paper's whitening matrix;
+  statistics per sequence, never across the batch), ``c^_i = (c_i - mean_i c) /
+  sqrt(var_i c + 1e-5)``, and ``out_i = c^_i A^+ (C_k V)``: no row normalisation, no 1/T.
+  With m = T, an exact inverse and eps = 0 this is ``whiten_columns(K) V`` for the full
+  Laplace kernel matrix K. Its scale is not normalised and is large (numbers on the real
+  models at init in docs/activations.md); the block's output projection and the next
+  LayerNorm absorb it.
+  The centring makes every landmark column sum to zero over the queries, so the global
+  output sums to zero over the sequence, ``sum_i out_i = 0`` exactly: a model that
+  mean-pools its tokens sees the global branch only through the nonlinearities after it.
+  The seed ("normalises the query-key similarity vectors with a diagonally approximated
+  whitening matrix") does not say whether it centres. ``normalize="uncentered"`` divides
+  the uncentred c by each column's root mean square instead (dividing it by the std makes
+  the common part of the output 9 - 70x the query-dependent part on the real models); on
+  mini Pathfinder, whose encoder mean-pools, the two were level over three seeds (README,
+  laplacian section), so the default stays the centred form of our SPEC. Other ablations:
   ``normalize="row"`` ``(c_i A^+ C_k V) / (c_i A^+ C_k 1)`` (guarded,
   `core.guard_denominator`) and ``normalize="none"``, plain Nystrom ``c_i A^+ C_k V``.
 
@@ -77,13 +68,13 @@ then ``C_q (.)``. Cost O((Tq + Tk) m d + m^3).
   then symmetric positive definite (the Laplace kernel is positive definite), so
   ``A + eps I`` has sigma_min >= eps and Newton-Schulz converges. Nystromformer's separate
   query landmarks (``shared_landmarks=False``, ``A = kappa(Q~, K~)``) give a non-symmetric
-  A whose sigma_min falls to 4.6e-6 - 2.6e-25 against sigma_max 3.7 - 12 on the real
+  A whose sigma_min falls to 4.0e-8 - 4.6e-6 against sigma_max 3.7 - 21 on the real
   activations at init (ListOps mini, ViT mini, DeiT-tiny; lambda = d / 2): there the
-  Newton-Schulz residual ``max |P V - I|`` is 0.38 - 0.60 after 20 steps and 0.026 - 0.29
-  after 30, float32 diverges by 60 steps on DeiT-tiny (44), and tripling the steps moves the
-  output by up to 77%. Shared landmarks: sigma_min(A) >= 3.9e-3, residual <= 5.8e-3 after
-  30 steps (the default ``ns_iters``; 2.9e-5 on ListOps mini), and tripling the steps
-  changes the output by <= 7.1e-4. Both
+  Newton-Schulz residual ``max |P V - I|`` is 0.38 - 0.65 after 20 steps and 0.026 - 0.29
+  after 30, float32 diverges by 60 steps on DeiT-tiny (1e3), and the output is 1.5 - 8.6x the
+  scale of the shared form's (std(out) / std(v) 69 vs 8, 135 vs 36, 926 vs 633). Shared
+  landmarks: sigma_min(A) >= 0.03, residual <= 4.6e-4 after 20 steps and <= 2.9e-5 after 30
+  (the default ``ns_iters``), and tripling the steps changes the output by <= 1.1e-4. Both
   forms estimate the same K: ``C_q A^+ C_k`` is exact when the landmarks are all the keys.
 
   Local branch (the paper's depthwise convolution on V, added to the global output):
@@ -113,8 +104,8 @@ iteration above) or ``"exact"``: ``(A + eps I)^-1`` by an LU solve (eps = 0 for
 nystromformer), a true inverse with no singular-value cutoff (``jnp.linalg.pinv`` drops
 singular values below ~1e-4 of the largest), for tests and ablations. soft and laplacian
 default to 20 and 30 Newton-Schulz steps: on the q, k, v of the real models at init (ListOps
-mini, ViT mini and DeiT-tiny) tripling them changes the output by < 0.1% (laplacian 7.1e-4,
-soft 1.0e-3 at most; ``python -m train.bench_activations --sections laplacian``;
+mini, ViT mini and DeiT-tiny) tripling them changes the output by < 0.4% (laplacian 1.1e-4,
+soft 3.8e-3 at most; ``python -m train.bench_activations --sections laplacian``;
 ``kernels.bench`` reports the residual against the iterations on synthetic landmark
 matrices).
 
@@ -262,11 +253,11 @@ def _heads_first(x):
     return jnp.swapaxes(x, 1, 2)  # [B, T, H, D] <-> [B, H, T, D]
 
 
-def _whiten(c, qmask, axis=None, center=False):
+def _whiten(c, qmask, axis=None, center=True):
     """Diagonal whitening of ``c [B, H, Tq, L]`` over the unmasked queries (of the whole
-    sequence: with `axis`, the sums run over its devices too): ``c diag(E c^2 + eps)^-1/2``,
-    the second moment of each landmark coordinate (``center=True``: ``(c - E c) diag(var c +
-    eps)^-1/2``, the ``normalize="centered"`` ablation)."""
+    sequence: with `axis`, the sums run over its devices too): ``(c - E c) diag(var c +
+    eps)^-1/2`` per landmark coordinate (``center=False``: ``c diag(E c^2 + eps)^-1/2``, the
+    ``normalize="uncentered"`` ablation)."""
     w = qmask[:, None, :, None].astype(_f32)
     n = jnp.maximum(_seq.psum(jnp.sum(w, axis=2, keepdims=True), axis), 1.0)
     if center:
@@ -390,8 +381,8 @@ def _nystrom(
     c_k = kappa(left, kh, kmask, axis) * row_valid  # [B, H, L, Tk]
     a_inv = invert(a)
 
-    if normalize in ("injective", "centered"):
-        feats = _whiten(c_q, qmask, axis, center=normalize == "centered")
+    if normalize in ("injective", "uncentered"):
+        feats = _whiten(c_q, qmask, axis, center=normalize == "injective")
     else:
         feats = c_q
     vh = _heads_first(v.astype(_f32)) * kmask[:, None, :, None]  # [B, H, Tk, Dv]
@@ -704,7 +695,7 @@ def soft_weights(
 # --------------------------------------------------------------------------- laplacian
 
 _LAP = "laplacian"
-_LAP_NORMALIZE = ("injective", "centered", "row", "none")
+_LAP_NORMALIZE = ("injective", "uncentered", "row", "none")
 
 
 def laplacian_lam_init(head_dim: int) -> float:
@@ -714,9 +705,9 @@ def laplacian_lam_init(head_dim: int) -> float:
     d. On the q, k the real models produce at init (the LRA encoder on ListOps mini, d = 16;
     the ViT mini preset, d = 16, and DeiT-tiny, d = 64; measured by ``python -m
     train.bench_activations --sections laplacian``, docs/activations.md), the median L1
-    distance is 1.12 d - 1.16 d (2 d / sqrt(pi) = 1.13 d for unit Gaussians), so lambda = d / 2
-    puts the median kernel entry at 0.099 - 0.11 (10% - 90% quantiles 0.055 - 0.17), where
-    lambda = sqrt(d) gives 1.3e-4 at d = 64 and lambda = 4 gives 1.7e-8.
+    distance is 1.11 d - 1.15 d (2 d / sqrt(pi) = 1.13 d for unit Gaussians), so lambda = d / 2
+    puts the median kernel entry at 0.10 - 0.11 (10% - 90% quantiles 0.055 - 0.18), where
+    lambda = sqrt(d) gives 1.2e-4 at d = 64 and lambda = 4 gives 1.5e-8.
     """
     return head_dim / 2.0
 
@@ -852,9 +843,9 @@ def laplacian_attention(
         a ``w x w`` local branch).
       inverse: ``"iterative"`` (Newton-Schulz) or ``"exact"`` (``(A + eps I)^-1`` by an LU
         solve).
-      normalize: ``"injective"`` (the paper: ``c W A^+ C_k V``, W the diagonal whitening
-        matrix), ``"centered"`` (``(c - mean c)`` whitened by its std), ``"row"`` (divided
-        by ``c A^+ C_k 1``) or ``"none"`` (plain Nystrom ``c A^+ C_k V``).
+      normalize: ``"injective"`` (the paper: whitened ``c^ A^+ C_k V``), ``"uncentered"``
+        (``c`` divided by its root mean square over the queries), ``"row"`` (divided by
+        ``c A^+ C_k 1``) or ``"none"`` (plain Nystrom ``c A^+ C_k V``).
       local_window: w, the local branch's window (odd; 0 = off).
       shared_landmarks: A and C_k from the key landmarks on both sides (symmetric A; the
         default, see the module docstring) or, when False, query landmarks on the left.
@@ -891,7 +882,7 @@ def laplacian_reference(
     impl="auto",
     interpret=False,
 ):
-    """`laplacian_attention` with ``c W A^+ C_k`` and the local branch materialised
+    """`laplacian_attention` with ``c^ A^+ C_k`` and the local branch materialised
     (``[B, H, Tq, Tk]``)."""
     del rng, deterministic
     out = _laplacian(

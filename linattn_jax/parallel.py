@@ -23,9 +23,9 @@ T-long tensor of another device:
   ``[B, m, H, D]`` sums and ``[B, m]`` counts are summed over the axis; every device then
   builds the same ``m x m`` matrix and inverse. The key-side products ``C_k V`` (``[B, H,
   m, Dv]``) and ``C_k 1``, nystromformer's key softmax (its max and normaliser) and
-  laplacian's whitening statistics (each landmark column's second moment over the valid
-  queries of the sequence; the mean first for ``normalize="centered"``) are summed over the
-  axis; laplacian's 1-D local branch takes its window's
+  laplacian's whitening statistics (mean, then variance, over the valid queries of the
+  sequence; the second moment for ``normalize="uncentered"``) are summed over the axis;
+  laplacian's 1-D local branch takes its window's
   ``(w - 1) / 2`` edge rows from the neighbouring devices (``ppermute``), so each device
   must hold at least that many tokens. ``grid`` (2-D landmarks and local branch) is not
   supported (`NotImplementedError`): image sequences are short.

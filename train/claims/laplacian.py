@@ -166,9 +166,9 @@ def injective(settings: Settings) -> Finding:
     why = (
         "Row normalisation divides each row of kappa(q, K~) by its sum, so rows that differ by a "
         "factor give the same output: merged when the largest relative difference is < 1e-4. "
-        "The injective map multiplies the rows by one diagonal whitening matrix and does not "
-        "normalise them, so a row factor stays in the output: separated when every pair "
-        "differs by > 1e-3. (Exact normalised Laplace attention merges these pairs too.)"
+        "The whitening subtracts each landmark column's mean over the queries before the "
+        "product, which does not commute with a row factor: separated when every pair differs "
+        "by > 1e-3. (Exact normalised Laplace attention merges these pairs too.)"
     )
     return Finding(numbers, verdict, why, gaps)
 
