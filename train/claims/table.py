@@ -4,9 +4,10 @@ Every mechanism trains on the same tasks with the same model, steps and seeds
 (`TASKS`): ListOps with expressions of 100-250 tokens (between mini's 20-100 and LRA's
 500-2000; 500 steps: an earlier 100-300-token, 800-step budget took 15-20 minutes a run on
 one core here, too long for 30 runs) and the generated Pathfinder mini. Each (task,
-mechanism, seed) run lives in ``<workdir>/runs/<task>/<mechanism>/seed<s>`` and is resumed (i.e. just re-read) when
-finished, so the table is built in parts and merged. The claims `flexformer.beats_linear`,
-`laplacian.beats_soft` and `lara.trains_better` compare rows of this one table.
+mechanism, seed) run lives in ``<workdir>/runs/<task>/<mechanism>/seed<s>`` and is resumed
+(i.e. just re-read) when finished, so the table is built in parts and merged. The claims
+`flexformer.beats_linear`, `laplacian.beats_soft` and `lara.trains_better` compare rows of
+this one table.
 """
 
 from __future__ import annotations
