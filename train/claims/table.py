@@ -118,6 +118,11 @@ def _cells(table: dict, task: str) -> dict[str, tuple[float, float]]:
     return {name: mean_std(accs) for name, accs in table[task].items()}
 
 
+def _not_run(done) -> list[str]:
+    """``"<task>: not run yet"`` for each task of `TASKS` not in `done`."""
+    return [f"{t}: not run yet" for t in TASKS if t not in done]
+
+
 def _fmt(ms: tuple[float, float]) -> str:
     return f"{100 * ms[0]:.1f} +- {100 * ms[1]:.1f}"
 
@@ -180,7 +185,7 @@ def _compare(settings: Settings, row: tuple[str, list[str]]) -> tuple:
         parts.append(
             f"{task}: {name} {_fmt(me)} vs " + ", ".join(f"{o} {_fmt(cells[o])}" for o in others)
         )
-    parts += [f"{t}: not run yet" for t in TASKS if t not in table]
+    parts += _not_run(table)
     if not wins:
         verdict = NOT_TESTABLE
     elif all(wins.values()):
@@ -325,7 +330,7 @@ def mid_range(settings: Settings) -> Finding:
             f"vs Gaussian {r['gaussian_mid']:.3f} ({r['ratio']:.2f}x)"
             for t, r in rows.items()
         ]
-        + [f"{t}: not run yet" for t in TASKS if t not in rows]
+        + _not_run(rows)
     )
     why = (
         f"Heavy-tailed when the kurtosis is > 3.5 ({heavy}); the Laplace kernel keeps mid-range "
