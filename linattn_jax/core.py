@@ -95,8 +95,9 @@ def read_out(phi_q, s, z, mass=None, *, eps: float = DENOMINATOR_EPS, den_floor:
     (sum of phi(k)), `mass` ``[B, H]`` (the key-mass channel summed under the same weights;
     None without a floor) -> ``[B, Tq, H, Dv]``. The non-causal path, the recurrent step and
     the sequence-parallel reduction all end here."""
-    num = jnp.einsum("bthm,bhmd->bthd", phi_q, s)
-    den = jnp.einsum("bthm,bhm->bth", phi_q, z)
+    # one product for the numerator and the denominator: phi_q [S | z]
+    nd = jnp.einsum("bthm,bhmd->bthd", phi_q, jnp.concatenate([s, z[..., None]], axis=-1))
+    num, den = nd[..., :-1], nd[..., -1]
     floor = None if mass is None else denominator_floor(phi_q, mass[:, None], den_floor)
     return num / guard_denominator(den, eps, floor)[..., None]
 
@@ -193,9 +194,11 @@ def linear_attention(
             raise ValueError("linear_attention: log_decay needs causal=True")
         phi_q, phi_k, mass = _split_mass(phi_q, phi_k, den_floor)
         wk = jnp.exp(ns - lax.stop_gradient(jnp.max(ns, axis=1, keepdims=True)))  # [B, Tk, H]
-        phi_k = phi_k * wk[..., None]
-        kv = jnp.einsum("bthm,bthd->bhmd", phi_k, v)  # [B, H, M, Dv]
-        z = jnp.sum(phi_k, axis=1)  # [B, H, M]
+        # the key weights go on [v | 1] (Dv + 1 wide), not on phi_k (M wide): one product
+        # gives S = sum_j w_j phi(k_j) v_j^T and z = sum_j w_j phi(k_j)
+        vw = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1) * wk[..., None]
+        kvz = jnp.einsum("bthm,bthd->bhmd", phi_k, vw)  # [B, H, M, Dv + 1]
+        kv, z = kvz[..., :-1], kvz[..., -1]
         key_mass = None if mass is None else jnp.sum(mass * wk, axis=1)  # [B, H]
         return read_out(phi_q, kv, z, key_mass, eps=eps, den_floor=den_floor)
     return _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps, den_floor=den_floor)[0]
