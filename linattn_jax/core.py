@@ -309,9 +309,11 @@ def _causal_chunked(
 
     def step(carry, xs):
         # State before this chunk, kept relative to the running key max mp:
-        # s = sum_j exp(n_j - mp) phi(k_j) v_j^T  [B, H, M, Dv], z likewise [B, H, M].
-        s, z, zm, mp = carry
-        pq, pk, vc, gc, nc, mc = xs
+        # s = sum_j exp(n_j - mp) phi(k_j) v_j^T  [B, H, M, Dv], z likewise [B, H, M],
+        # carried as one sz = [s | z] [B, H, M, Dv + 1] (the values as [v | 1]), so that
+        # each product gives a numerator and its denominator together.
+        sz, zm, mp = carry
+        pq, pk, vc, gc, nc, mc = xs  # vc: [v | 1]
         # Running max of the key log-scales up to each position (detached; it cancels).
         cm = lax.stop_gradient(jnp.maximum(mp[:, None, :], lax.cummax(nc, axis=1)))  # [B, c, H]
         # Intra-chunk weights exp(G_i - G_j + n_j - cm_i) for j <= i (all <= 1).
@@ -319,13 +321,12 @@ def _causal_chunked(
         logw = gt[:, :, :, None] - gt[:, :, None, :] + nt[:, :, None, :] - ct[:, :, :, None]
         weight = jnp.where(tril, jnp.exp(jnp.where(tril, logw, 0.0)), 0.0)  # [B, H, c, c]
         scores = jnp.einsum("bihm,bjhm->bhij", pq, pk) * weight
-        num = jnp.einsum("bhij,bjhd->bihd", scores, vc)
-        den = jnp.sum(scores, axis=-1).transpose(0, 2, 1)  # [B, c, H]
+        nd = jnp.einsum("bhij,bjhd->bihd", scores, vc)  # [B, c, H, Dv + 1]
         # Inter-chunk: the carried state decayed to position i by exp(G_i), rescaled to cm_i.
         carry_scale = jnp.exp(gc + mp[:, None, :] - cm)  # [B, c, H]
         pq_dec = pq * carry_scale[..., None]
-        num = num + jnp.einsum("bihm,bhmd->bihd", pq_dec, s)
-        den = den + jnp.einsum("bihm,bhm->bih", pq_dec, z)
+        nd = nd + jnp.einsum("bihm,bhmd->bihd", pq_dec, sz)
+        num, den = nd[..., :-1], nd[..., -1]
         floor = None
         if den_floor:  # the mass channel under the same weights
             mass_i = jnp.einsum("bhij,bjh->bih", weight, mc) + carry_scale * zm[:, None, :]
@@ -336,10 +337,9 @@ def _causal_chunked(
         g_last, m_new = gc[:, -1], cm[:, -1]  # [B, H]
         w = jnp.exp(g_last[:, None, :] - gc + nc - m_new[:, None, :])[..., None]  # [B, c, H, 1]
         old = jnp.exp(g_last + mp - m_new)
-        s = s * old[..., None, None] + jnp.einsum("bjhm,bjhd->bhmd", pk * w, vc)
-        z = z * old[..., None] + jnp.sum(pk * w, axis=1)
+        sz = sz * old[..., None, None] + jnp.einsum("bjhm,bjhd->bhmd", pk, vc * w)
         zm = zm * old + jnp.sum(mc * w[..., 0], axis=1)
-        return (s, z, zm, m_new), out
+        return (sz, zm, m_new), out
 
     if initial_state is None:
         s0, z0, c0 = recurrent_init(b, h, m, dv)
@@ -349,8 +349,11 @@ def _causal_chunked(
         zm0 = initial_state.z[..., -1]
     else:
         (s0, z0, c0), zm0 = initial_state, jnp.zeros((b, h), _f32)
-    xs = (chunks(phi_q), chunks(phi_k), chunks(v), g, chunks(ns), chunks(mass))
-    (s, z, zm, c_last), out = lax.scan(step, (s0, z0, zm0, c0), xs)
+    v1 = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)  # padded keys: phi_k = 0
+    xs = (chunks(phi_q), chunks(phi_k), chunks(v1), g, chunks(ns), chunks(mass))
+    sz0 = jnp.concatenate([s0, z0[..., None]], axis=-1)
+    (sz, zm, c_last), out = lax.scan(step, (sz0, zm0, c0), xs)
+    s, z = sz[..., :-1], sz[..., -1]
     out = jnp.moveaxis(out, 0, 1).reshape(b, n * c, h, dv)
     if den_floor:
         s = jnp.concatenate([s, jnp.zeros_like(s[..., :1, :])], axis=-2)
