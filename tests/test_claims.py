@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -116,7 +117,8 @@ def _fake_runs(root, accs, steps=4):
     for (task, name, seed), acc in accs.items():
         run = root / "runs" / task / name / f"seed{seed}"
         run.mkdir(parents=True)
-        (run / "summary.json").write_text(json.dumps({"steps": steps, "test": {"accuracy": acc}}))
+        summary = {"steps": steps, "test": {"accuracy": acc}, "wall_seconds": 600.0}
+        (run / "summary.json").write_text(json.dumps(summary))
 
 
 def test_table_claims_read_finished_runs_and_skip_unlearned_tasks(tmp_path, monkeypatch):
@@ -162,10 +164,14 @@ def test_table_claims_on_a_subset_of_the_tasks(tmp_path, monkeypatch):
     assert "listops: not run yet" in finding.numbers
     found = table.equal_budget(settings)
     assert "not run yet: listops" in found.numbers
+    assert found.data["train_seconds"] == 6 * 600.0 and "took 1.0 h of wall time" in found.why
     png = tmp_path / "f" / found.data["plot"]  # the table's bars, beside the findings
     assert png.read_bytes()[:4] == b"\x89PNG"
     claims.run(claims.select(["table.equal_budget"]), settings, log=lambda *_: None)
-    assert "![table.equal_budget](f/table.equal_budget.png)" in claims.report(settings)
+    text = claims.report(settings)
+    assert "![table.equal_budget](f/table.equal_budget.png)" in text
+    minutes = float(re.search(r"([\d.]+) min of compute", text).group(1))
+    assert 60.0 <= minutes < 61.0  # the runs' hour counted, beside the claim's own seconds
     assert settings.key()["tasks"] == ["pathfinder"] and "tasks" not in claims.Settings().key()
     with pytest.raises(ValueError, match="tasks"):
         table.run_table(claims.Settings(tasks=("text",)))

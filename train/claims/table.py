@@ -93,12 +93,26 @@ def run_table(settings: Settings, mechanisms=None, tasks=None) -> dict:
         for name in mechanisms or MECHANISMS:
             accs = []
             for seed in range(settings.seeds):
-                run_dir = Path(settings.workdir) / "runs" / task / name / f"seed{seed}"
+                run_dir = _run_dir(settings, task, name, seed)
                 config = task_config(task, name, seed, settings.quick)
                 summary = _finished(run_dir, config) or loop.train_and_evaluate(config, run_dir)
                 accs.append(float(summary["test"]["accuracy"]))
             out[task][name] = accs
     return out
+
+
+def _run_dir(settings: Settings, task: str, name: str, seed: int) -> Path:
+    return Path(settings.workdir) / "runs" / task / name / f"seed{seed}"
+
+
+def _train_seconds(settings: Settings, table: dict) -> float:
+    """The summed wall time of the table's runs (each run's summary)."""
+    return sum(
+        json.loads((_run_dir(settings, t, n, s) / "summary.json").read_text())["wall_seconds"]
+        for t in table
+        for n in table[t]
+        for s in range(len(table[t][n]))
+    )
 
 
 def _finished(run_dir: Path, config) -> dict | None:
@@ -158,13 +172,16 @@ def equal_budget(settings: Settings) -> Finding:
         f"each task at this budget (test accuracy above {LEARNED}): {learns}. The claims "
         "that compare its rows skip a task softmax does not learn."
     )
+    train_s = _train_seconds(settings, table)
+    why += f" Its training runs took {train_s / 3600:.1f} h of wall time in all (summed)."
     plot = Path(settings.findings) / "table.equal_budget.png"
     plot.parent.mkdir(parents=True, exist_ok=True)
     bars = {(t, n): tuple(100 * x for x in mean_std(a)) for t in table for n, a in table[t].items()}
     title = f"equal budget: test accuracy, mean +- std over {settings.seeds} seeds"
     chance = {"pathfinder": 50.0} if "pathfinder" in table else None  # dashed: chance
     grouped_bars(bars, plot, title=title, lines=chance)
-    return Finding("; ".join(lines), verdict, why, {"table": table, "plot": plot.name})
+    data = {"table": table, "plot": plot.name, "train_seconds": round(train_s, 1)}
+    return Finding("; ".join(lines), verdict, why, data)
 
 
 def _compare(settings: Settings, row: tuple[str, list[str]]) -> tuple:
