@@ -88,6 +88,17 @@ def denominator_floor(phi_q, mass, den_floor):
     return den_floor * jnp.sqrt(jnp.sum(phi_q * phi_q, axis=-1) + _TINY_SQ) * mass
 
 
+def _append_ones(v):
+    """``[v | 1]``: `v` ``[..., D]`` with a column of ones appended (``[..., D + 1]``), so
+    that one product with the key features gives both ``sum phi(k) v^T`` and ``sum phi(k)``."""
+    return jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)
+
+
+def _split_last(x):
+    """``(x[..., :-1], x[..., -1])``: a ``[.. | last]`` product split into its two parts."""
+    return x[..., :-1], x[..., -1]
+
+
 def read_out(phi_q, s, z, mass=None, *, eps: float = DENOMINATOR_EPS, den_floor: float = 0.0):
     """Linear attention's output from the key summaries: ``phi_q S / guard(phi_q z)``.
 
@@ -97,7 +108,7 @@ def read_out(phi_q, s, z, mass=None, *, eps: float = DENOMINATOR_EPS, den_floor:
     the sequence-parallel reduction all end here."""
     # one product for the numerator and the denominator: phi_q [S | z]
     nd = jnp.einsum("bthm,bhmd->bthd", phi_q, jnp.concatenate([s, z[..., None]], axis=-1))
-    num, den = nd[..., :-1], nd[..., -1]
+    num, den = _split_last(nd)
     floor = None if mass is None else denominator_floor(phi_q, mass[:, None], den_floor)
     return num / guard_denominator(den, eps, floor)[..., None]
 
@@ -108,7 +119,7 @@ def _split_mass(phi_q, phi_k, den_floor):
     of the unfloored call, so rows above the floor come out bit for bit the same."""
     if not den_floor:
         return phi_q, phi_k, None
-    return phi_q[..., :-1], phi_k[..., :-1], phi_k[..., -1]
+    return (phi_q[..., :-1], *_split_last(phi_k))
 
 
 def _check_floor(den_floor, phi_k):
@@ -196,9 +207,9 @@ def linear_attention(
         wk = jnp.exp(ns - lax.stop_gradient(jnp.max(ns, axis=1, keepdims=True)))  # [B, Tk, H]
         # the key weights go on [v | 1] (Dv + 1 wide), not on phi_k (M wide): one product
         # gives S = sum_j w_j phi(k_j) v_j^T and z = sum_j w_j phi(k_j)
-        vw = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1) * wk[..., None]
+        vw = _append_ones(v) * wk[..., None]
         kvz = jnp.einsum("bthm,bthd->bhmd", phi_k, vw)  # [B, H, M, Dv + 1]
-        kv, z = kvz[..., :-1], kvz[..., -1]
+        kv, z = _split_last(kvz)
         key_mass = None if mass is None else jnp.sum(mass * wk, axis=1)  # [B, H]
         return read_out(phi_q, kv, z, key_mass, eps=eps, den_floor=den_floor)
     return _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps, den_floor=den_floor)[0]
@@ -326,7 +337,7 @@ def _causal_chunked(
         carry_scale = jnp.exp(gc + mp[:, None, :] - cm)  # [B, c, H]
         pq_dec = pq * carry_scale[..., None]
         nd = nd + jnp.einsum("bihm,bhmd->bihd", pq_dec, sz)
-        num, den = nd[..., :-1], nd[..., -1]
+        num, den = _split_last(nd)
         floor = None
         if den_floor:  # the mass channel under the same weights
             mass_i = jnp.einsum("bhij,bjh->bih", weight, mc) + carry_scale * zm[:, None, :]
@@ -345,15 +356,15 @@ def _causal_chunked(
         s0, z0, c0 = recurrent_init(b, h, m, dv)
         zm0 = jnp.zeros((b, h), _f32)
     elif den_floor:
-        s0, z0, c0 = initial_state.s[..., :-1, :], initial_state.z[..., :-1], initial_state.c
-        zm0 = initial_state.z[..., -1]
+        s0, c0 = initial_state.s[..., :-1, :], initial_state.c
+        z0, zm0 = _split_last(initial_state.z)
     else:
         (s0, z0, c0), zm0 = initial_state, jnp.zeros((b, h), _f32)
-    v1 = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)  # padded keys: phi_k = 0
+    v1 = _append_ones(v)  # padded keys: phi_k = 0
     xs = (chunks(phi_q), chunks(phi_k), chunks(v1), g, chunks(ns), chunks(mass))
     sz0 = jnp.concatenate([s0, z0[..., None]], axis=-1)
     (sz, zm, c_last), out = lax.scan(step, (sz0, zm0, c0), xs)
-    s, z = sz[..., :-1], sz[..., -1]
+    s, z = _split_last(sz)
     out = jnp.moveaxis(out, 0, 1).reshape(b, n * c, h, dv)
     if den_floor:
         s = jnp.concatenate([s, jnp.zeros_like(s[..., :1, :])], axis=-2)
