@@ -37,7 +37,7 @@ def _part(part: int) -> list[str]:
 
 @pytest.mark.filterwarnings("error:No artists with labels:UserWarning")  # an empty plot fails
 @pytest.mark.parametrize("part", PARTS)
-def test_scaling_smoke_every_mechanism(tmp_path, capsys, unoptimised_xla, part):
+def test_scaling_smoke_every_mechanism(tmp_path, capsys, part):
     # Forward only here (compiling every backward twice would double the cost); the backward
     # pass of every mechanism is compiled and timed by the model smoke test, and the fwd_bwd
     # scaling path by test_scaling_modes_passes_and_report.
@@ -88,7 +88,7 @@ def test_scaling_smoke_every_mechanism(tmp_path, capsys, unoptimised_xla, part):
     assert png.stat().st_size > 10_000
 
 
-def test_scaling_modes_passes_and_report(tmp_path, capsys, unoptimised_xla):
+def test_scaling_modes_passes_and_report(tmp_path, capsys):
     out = tmp_path / "s.json"
     names = ["softmax", "linear_elu", "nystromformer"]
     _run(
@@ -129,7 +129,7 @@ def test_matmul_flops_counts_products_scan_bodies_and_gradients():
     assert timing.matmul_flops(grad, (x, w)) == 8 * 2 * 8 * 6 * 6
 
 
-def test_scaling_flop_rate(tmp_path, capsys, unoptimised_xla):
+def test_scaling_flop_rate(tmp_path, capsys):
     out = tmp_path / "s.json"
     _, stdout = _run(
         capsys,
@@ -156,7 +156,7 @@ def test_scaling_flop_rate(tmp_path, capsys, unoptimised_xla):
 
 
 @pytest.mark.parametrize("part", PARTS)
-def test_fidelity_smoke_every_mechanism(tmp_path, capsys, unoptimised_xla, part):
+def test_fidelity_smoke_every_mechanism(tmp_path, capsys, part):
     out, png = tmp_path / "fid.json", tmp_path / "fid.png"
     budgets = [4, 8]
     _, stdout = _run(
@@ -184,7 +184,7 @@ def test_fidelity_smoke_every_mechanism(tmp_path, capsys, unoptimised_xla, part)
 
 
 @pytest.mark.parametrize("part", PARTS)
-def test_model_smoke_every_mechanism(tmp_path, capsys, unoptimised_xla, part):
+def test_model_smoke_every_mechanism(tmp_path, capsys, part):
     out = tmp_path / "model.json"
     png = tmp_path / "model.png"
     _, stdout = _run(

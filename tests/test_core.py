@@ -1,5 +1,7 @@
 """The shared linear-attention core: chunked causal == masked quadratic reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,15 +24,16 @@ def _features(seed, b=2, t=13, h=2, m=6, dv=5, signed=False):
 def _assert_fast_matches_reference(run, pq, pk, v):
     """``run(fn, pq, pk, v)`` with the chunked `linear_attention` equals it with
     `quadratic_reference`: outputs and the gradients of ``sum(sin(out))`` wrt pq, pk, v."""
-    fast = run(core.linear_attention, pq, pk, v)
-    ref = run(core.quadratic_reference, pq, pk, v)
+    # jitted: one compile per side instead of op-by-op dispatch (5x faster here)
+    fast = jax.jit(functools.partial(run, core.linear_attention))(pq, pk, v)
+    ref = jax.jit(functools.partial(run, core.quadratic_reference))(pq, pk, v)
     np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-5)
 
-    def loss(fn):
-        return lambda *a: jnp.sum(jnp.sin(run(fn, *a)))
+    def grads(fn):
+        loss = lambda *a: jnp.sum(jnp.sin(run(fn, *a)))  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(pq, pk, v)
 
-    g_fast = jax.grad(loss(core.linear_attention), argnums=(0, 1, 2))(pq, pk, v)
-    g_ref = jax.grad(loss(core.quadratic_reference), argnums=(0, 1, 2))(pq, pk, v)
+    g_fast, g_ref = grads(core.linear_attention), grads(core.quadratic_reference)
     for a, b in zip(g_fast, g_ref):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 

@@ -8,6 +8,10 @@ from _helpers import init, mech, qkv, rel_err
 
 import linattn_jax as la
 
+# every mechanism compiled with XLA's optimisation passes on, as users run it (the rest of the
+# suite runs with them off: tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("optimised_xla")
+
 NAMES = la.names()
 CAUSAL = la.causal_names()
 RNG = jax.random.key(7)

@@ -66,7 +66,7 @@ def _setup(name, config, causal, t=16, b=2, h=2, d=8):
     ("m", "masked", "grid"),
     [(4, False, None), (5, False, None), (6, True, None), (20, True, None), (4, True, (3, 5))],
 )
-def test_sharded_landmarks_equal_one_device(m, masked, grid, unoptimised_xla):
+def test_sharded_landmarks_equal_one_device(m, masked, grid):
     """The segments of the whole sequence from per-device sums: aligned and split segments,
     mask-dependent segments, more slots than valid tokens, 2-D pooling."""
     from linattn_jax import landmarks as lm
@@ -97,14 +97,14 @@ def _assert_equal_one_device(m, params, qkv, qkv_s, attend, rng, kw):
 
 
 @pytest.mark.parametrize(("name", "config", "causal"), _CASES, ids=str)
-def test_sequence_parallel_equals_one_device(name, config, causal, unoptimised_xla):
+def test_sequence_parallel_equals_one_device(name, config, causal):
     _assert_equal_one_device(*_setup(name, config, causal))
 
 
 @pytest.mark.parametrize(
     ("name", "deterministic"), [("lara", False), ("lara", True), ("laplacian", False)]
 )
-def test_sequence_parallel_without_mask(name, deterministic, unoptimised_xla):
+def test_sequence_parallel_without_mask(name, deterministic):
     """The unmasked paths (LARA's and laplacian's whitening are separate code) and LARA
     without draws."""
     m, params, qkv, qkv_s, attend, rng, kw = _setup(name, {"num_landmarks": 3}, False)
@@ -113,7 +113,7 @@ def test_sequence_parallel_without_mask(name, deterministic, unoptimised_xla):
 
 
 @pytest.mark.parametrize(("name", "config", "causal"), _GRAD_CASES, ids=str)
-def test_sequence_parallel_gradients_equal_one_device(name, config, causal, unoptimised_xla):
+def test_sequence_parallel_gradients_equal_one_device(name, config, causal):
     m, params, qkv, qkv_s, attend, rng, kw = _setup(name, config, causal)
 
     def loss(fn, q, k, v, p):
@@ -155,7 +155,7 @@ def test_per_device_memory_falls_with_the_shards(causal):
     assert four < 0.4 * one, (one, four)
 
 
-def test_linen_and_nnx_modules_run_sequence_parallel_under_jit(unoptimised_xla):
+def test_linen_and_nnx_modules_run_sequence_parallel_under_jit():
     """``mesh=`` runs a module's attention through `sequence_parallel`: the same output as
     without, under jit, with the same params, on a (data=2, seq=4) mesh."""
     from flax import nnx

@@ -68,7 +68,7 @@ def _aan_fixture(folder: Path, n: int = 48):
 
 
 @pytest.mark.parametrize("task", ["listops", "pathfinder", "retrieval", "text", "image"])
-def test_cli_every_task(task, tmp_path, monkeypatch, unoptimised_xla):
+def test_cli_every_task(task, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     data_dir = tmp_path / "data"
     args = [f"--task={task}", "--attention=linear_elu", "--steps=3", f"--data_dir={data_dir}"]
@@ -95,7 +95,7 @@ def _params_of(workdir: Path, step: int):
     return restored["state"]["params"]
 
 
-def test_kill_and_resume_matches_uninterrupted(tmp_path, unoptimised_xla):
+def test_kill_and_resume_matches_uninterrupted(tmp_path):
     steps = 60
     data_dir = tmp_path / "data"
     args = ["--attention=performer", f"--steps={steps}", f"--data_dir={data_dir}", *TINY]
@@ -153,7 +153,7 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, unoptimised_xla):
     jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
-def test_results_command_smoke(tmp_path, unoptimised_xla):
+def test_results_command_smoke(tmp_path):
     from train import results
 
     rows = results.main(
@@ -219,7 +219,7 @@ def test_cli_flags_and_missing_data(tmp_path):
         main(["--task=text", f"--data_dir={tmp_path}", f"--workdir={tmp_path / 'w'}"])
 
 
-def test_distill_cli_run_and_transfer(tmp_path, monkeypatch, capsys, unoptimised_xla):
+def test_distill_cli_run_and_transfer(tmp_path, monkeypatch, capsys):
     """``python -m train.distill run`` (teacher, stage 1), then ``transfer``
     of its feature maps to a task B (whose teacher it trains): every output is written."""
     from train import distill
@@ -311,7 +311,7 @@ def _multiprocess_run(args, workdir, steps, num_processes=2, devices_per_process
     return outs
 
 
-def test_multiprocess_training_and_resume_match_one_process(tmp_path, unoptimised_xla):
+def test_multiprocess_training_and_resume_match_one_process(tmp_path):
     """Two processes x 2 CPU devices (jax.distributed, gloo collectives), 2 steps, then a
     second launch resuming to 4: the same metrics as one process over the conftest's 8
     devices (float32 reductions split differently: rtol 1e-5), one summary, one set of
@@ -461,10 +461,6 @@ def test_every_entry_point_runs_every_mechanism(attention, smoke_data, tmp_path)
             jax.eval_shape(trainer.eval_step, state.params, state.extra, eval_batch)
         entry = REAL_RUN.get(attention)
         if entry:
-            jax.config.update("jax_disable_most_optimizations", True)
-            try:
-                summary = _run_entry(entry, argvs[entry])
-            finally:
-                jax.config.update("jax_disable_most_optimizations", False)
+            summary = _run_entry(entry, argvs[entry])
     if entry:
         assert summary["steps"] == 2 and np.isfinite(summary["val"]["loss"]), entry
