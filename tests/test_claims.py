@@ -164,7 +164,8 @@ def test_table_claims_on_a_subset_of_the_tasks(tmp_path, monkeypatch):
     assert "listops: not run yet" in finding.numbers
     found = table.equal_budget(settings)
     assert "not run yet: listops" in found.numbers
-    assert found.data["train_seconds"] == 6 * 600.0 and "took 1.0 h of wall time" in found.why
+    assert sum(found.data["train_runs"].values()) == 6 * 600.0
+    assert "took 1.0 h of wall time" in found.why
     png = tmp_path / "f" / found.data["plot"]  # the table's bars, beside the findings
     assert png.read_bytes()[:4] == b"\x89PNG"
     claims.run(claims.select(["table.equal_budget"]), settings, log=lambda *_: None)
@@ -181,3 +182,35 @@ def test_grade():
     assert claims.grade(True, True) == claims.REPRODUCED
     assert claims.grade(True, False) == claims.PARTLY
     assert claims.grade(False, False) == claims.NOT_REPRODUCED
+
+
+def test_compute_counts_a_shared_run_once_and_each_claims_time_beyond_its_runs():
+    def record(seconds, runs=None):
+        return {"seconds": seconds, "finding": {"data": {"train_runs": runs} if runs else None}}
+
+    records = [
+        record(5.0),  # a cheap claim: its own time
+        record(2.0, {"a": 100.0, "b": 50.0}),  # read its runs from the cache: they count
+        record(130.0, {"a": 100.0, "c": 20.0}),  # trained c itself (10 s beyond); a again
+    ]
+    assert claims.compute_seconds(records) == 5.0 + 0.0 + 10.0 + 100.0 + 50.0 + 20.0
+
+
+def test_distillation_verdict_and_runs_from_the_summaries(tmp_path, monkeypatch):
+    """The distillation claim reads its verdict off the runs' summaries (faked here) and
+    names each run with its wall time, for the report's compute total."""
+    from train.claims import distillation
+
+    test_acc = {"flexformer_n": 0.40, "performer": 0.30, "rfa": 0.31}
+
+    def fake_run(settings, student, seed, stage2=True):
+        acc = test_acc[student] + seed / 1000
+        return {"recovery": 0.95, "stage2": {"test": {"accuracy": acc}}, "wall_seconds": 60.0}
+
+    monkeypatch.setattr(distillation, "distill_run", fake_run)
+    settings = claims.Settings(seeds=3, workdir=tmp_path, findings=tmp_path / "f")
+    found = distillation.distillation(settings)
+    assert found.verdict == claims.REPRODUCED  # recovers, and above both by > 2 stds
+    runs = found.data["train_runs"]
+    assert len(runs) == 9 and "distill/listops/rfa/seed2" in runs
+    assert sum(runs.values()) == 9 * 60.0

@@ -193,6 +193,20 @@ def run(claims: Iterable[Claim], settings: Settings, *, rerun: bool = False, log
     return records
 
 
+def compute_seconds(records) -> float:
+    """The compute behind `records`: every training run a finding read (its ``train_runs``,
+    ``{run: wall seconds}``, kept by the training claims) counted once, though several claims
+    read it, plus each claim's own time beyond its runs (the whole of it for a claim without
+    runs; a claim that trained its runs itself took their time as well, so it is taken off)."""
+    runs: dict[str, float] = {}
+    own = 0.0
+    for r in records:
+        mine = (r["finding"].get("data") or {}).get("train_runs") or {}
+        runs.update(mine)
+        own += max(r["seconds"] - sum(mine.values()), 0.0)
+    return own + sum(runs.values())
+
+
 def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
@@ -202,9 +216,7 @@ def report(settings: Settings) -> str:
     claims = all_claims()
     records = {k: load(settings, k, c.kind, any_tasks=True) for k, c in claims.items()}
     done = [r for r in records.values() if r]
-    # a claim's own time, plus the training runs it read from a cache (the table's)
-    seconds = sum(r["seconds"] + (r["finding"].get("data") or {}).get("train_seconds", 0)
-                  for r in done)  # fmt: skip
+    seconds = compute_seconds(done)
     flags = f" --seeds {settings.seeds}" + (" --quick" if settings.quick else "")
     lines = [
         "# The seeds' claims, tested at small scale",

@@ -39,9 +39,21 @@ def _root(settings: Settings) -> Path:
     return Path(settings.workdir) / "distill"
 
 
+def _source_dir(settings: Settings, student: str, seed: int) -> Path:
+    """The distillation of `student` on the source task (its stage 1 maps are transferred)."""
+    return _root(settings) / SOURCE / student / f"seed{seed}"
+
+
+def _train_runs(settings: Settings, summaries: dict[Path, dict]) -> dict[str, float]:
+    """``{run: wall seconds}`` (the report counts a run read by several claims once); a
+    summary written before the wall time was kept counts 0."""
+    root = Path(settings.workdir)
+    return {str(p.relative_to(root)): s.get("wall_seconds", 0.0) for p, s in summaries.items()}
+
+
 def distill_run(settings: Settings, student: str, seed: int, *, stage2: bool = True) -> dict:
     """One distillation of the listops mini teacher (trained once per seed) into `student`."""
-    workdir = _root(settings) / SOURCE / student / f"seed{seed}"
+    workdir = _source_dir(settings, student, seed)
     done = workdir / "distill_summary.json"
     if done.exists():
         summary = json.loads(done.read_text())
@@ -71,9 +83,11 @@ def distill_run(settings: Settings, student: str, seed: int, *, stage2: bool = T
     kind="train",
 )
 def distillation(settings: Settings) -> Finding:
-    rec, test = {}, {}
+    rec, test, summaries = {}, {}, {}
     for student in STUDENTS:
         runs = [distill_run(settings, student, s) for s in range(settings.seeds)]
+        for seed, run in enumerate(runs):
+            summaries[_source_dir(settings, student, seed)] = run
         rec[student] = mean_std(r["recovery"] for r in runs)
         test[student] = mean_std(r["stage2"]["test"]["accuracy"] for r in runs)
     flex = test["flexformer_n"]
@@ -98,7 +112,8 @@ def distillation(settings: Settings) -> Finding:
         "here the teacher is a 2-layer ListOps model trained for the preset's steps, where "
         "the students also train well from scratch, so distillation has less to recover."
     )
-    return Finding(numbers, verdict, why, {"recovery": rec, "test": test})
+    data = {"recovery": rec, "test": test, "train_runs": _train_runs(settings, summaries)}
+    return Finding(numbers, verdict, why, data)
 
 
 @claim(
@@ -113,21 +128,23 @@ def distillation(settings: Settings) -> Finding:
     kind="train",
 )
 def transfer(settings: Settings) -> Finding:
-    closed, drop = {}, {}
+    closed, drop, summaries = {}, {}, {}
     for student in TRANSFER:
         c, d = [], []
         for seed in range(settings.seeds):
-            distill_run(settings, student, seed, stage2=False)
+            source = distill_run(settings, student, seed, stage2=False)
+            summaries[_source_dir(settings, student, seed)] = source
             workdir = _root(settings) / f"{SOURCE}_to_{TARGET}" / student / f"seed{seed}"
             s = stages.kernel_transfer(
                 _config(TARGET, student, seed, settings.quick),
                 teacher_workdir=_root(settings) / TARGET / "teacher" / f"seed{seed}",
-                source=_root(settings) / SOURCE / student / f"seed{seed}" / "feature_maps.msgpack",
+                source=_source_dir(settings, student, seed) / "feature_maps.msgpack",
                 workdir=workdir,
                 stage1_steps=5 if settings.quick else 300,
                 train_teacher=True,
                 log=lambda *_: None,
             )
+            summaries[workdir] = s
             kl = {k: s[k]["attention_kl"] for k in ("init", "own", "transferred")}
             c.append((kl["init"] - kl["transferred"]) / max(kl["init"] - kl["own"], 1e-12))
             d.append(s.get("drop", 0.0))
@@ -147,4 +164,5 @@ def transfer(settings: Settings) -> Finding:
         "here the two tasks (ListOps symbols, Pathfinder pixels) are further apart, and the "
         "accuracy drop is small when the target task is hard at this budget."
     )
-    return Finding(numbers, verdict, why, {"closed": closed, "drop": drop})
+    data = {"closed": closed, "drop": drop, "train_runs": _train_runs(settings, summaries)}
+    return Finding(numbers, verdict, why, data)

@@ -105,14 +105,17 @@ def _run_dir(settings: Settings, task: str, name: str, seed: int) -> Path:
     return Path(settings.workdir) / "runs" / task / name / f"seed{seed}"
 
 
-def _train_seconds(settings: Settings, table: dict) -> float:
-    """The summed wall time of the table's runs (each run's summary)."""
-    return sum(
-        json.loads((_run_dir(settings, t, n, s) / "summary.json").read_text())["wall_seconds"]
-        for t in table
-        for n in table[t]
-        for s in range(len(table[t][n]))
-    )
+def _train_runs(settings: Settings, table: dict) -> dict[str, float]:
+    """``{run: wall seconds}`` of the table's runs (each run's summary), the runs named by
+    their directory under the workdir (the report counts a run read by several claims once)."""
+    runs = {}
+    for t in table:
+        for n in table[t]:
+            for s in range(len(table[t][n])):
+                run_dir = _run_dir(settings, t, n, s)
+                summary = json.loads((run_dir / "summary.json").read_text())
+                runs[str(run_dir.relative_to(settings.workdir))] = summary["wall_seconds"]
+    return runs
 
 
 def _finished(run_dir: Path, config) -> dict | None:
@@ -172,7 +175,8 @@ def equal_budget(settings: Settings) -> Finding:
         f"each task at this budget (test accuracy above {LEARNED}): {learns}. The claims "
         "that compare its rows skip a task softmax does not learn."
     )
-    train_s = _train_seconds(settings, table)
+    train_runs = _train_runs(settings, table)
+    train_s = sum(train_runs.values())
     why += f" Its training runs took {train_s / 3600:.1f} h of wall time in all (summed)."
     plot = Path(settings.findings) / "table.equal_budget.png"
     plot.parent.mkdir(parents=True, exist_ok=True)
@@ -180,7 +184,7 @@ def equal_budget(settings: Settings) -> Finding:
     title = f"equal budget: test accuracy, mean +- std over {settings.seeds} seeds"
     chance = {"pathfinder": 50.0} if "pathfinder" in table else None  # dashed: chance
     grouped_bars(bars, plot, title=title, lines=chance)
-    data = {"table": table, "plot": plot.name, "train_seconds": round(train_s, 1)}
+    data = {"table": table, "plot": plot.name, "train_runs": train_runs}
     return Finding("; ".join(lines), verdict, why, data)
 
 

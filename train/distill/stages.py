@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,7 @@ def distill(
     Writes ``workdir/feature_maps.msgpack`` (the distilled maps, for `kernel_transfer`) and
     ``workdir/distill_summary.json``; returns the summary.
     """
+    t_start = time.time()
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     student = config.attention
@@ -280,6 +282,7 @@ def distill(
     if metric in final and teacher_val.get(metric):
         summary["recovery"] = final[metric] / teacher_val[metric]
     writer.close()
+    summary["wall_seconds"] = time.time() - t_start  # with the teacher's, if trained here
     (workdir / "distill_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
@@ -311,6 +314,7 @@ def kernel_transfer(
     ``drop`` = own - transferred (metric; positive = transfer loses). With `train_teacher`,
     B's teacher is trained in `teacher_workdir` first if it has no checkpoint.
     """
+    t_start = time.time()
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     student = config.attention
@@ -377,6 +381,7 @@ def kernel_transfer(
     if metric in summary["own"][key]:
         summary["drop"] = summary["own"][key][metric] - summary["transferred"][key][metric]
         log(f"transfer drop ({metric}, own - transferred): {summary['drop']:+.4f}")
+    summary["wall_seconds"] = time.time() - t_start  # with the teacher's, if trained here
     (workdir / "transfer_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
