@@ -171,6 +171,9 @@ def test_table_claims_on_a_subset_of_the_tasks(tmp_path, monkeypatch):
     claims.run(claims.select(["table.equal_budget"]), settings, log=lambda *_: None)
     text = claims.report(settings)
     assert "![table.equal_budget](f/table.equal_budget.png)" in text
+    # the table itself, a row per mechanism, the best in bold, each seed's value
+    assert "| softmax | **70.5 +- 0.5** (70.0 / 71.0) |" in text
+    assert "| soft | 50.0 +- 0.0 (50.0 / 50.0) |" in text
     minutes = float(re.search(r"([\d.]+) min of compute", text).group(1))
     assert 60.0 <= minutes < 61.0  # the runs' hour counted, beside the claim's own seconds
     assert settings.key()["tasks"] == ["pathfinder"] and "tasks" not in claims.Settings().key()

@@ -256,7 +256,10 @@ def report(settings: Settings) -> str:
                 + " ".join(r["finding"]["why"].split()),
                 "",
             ]
-            plot = (r["finding"].get("data") or {}).get("plot")
+            data = r["finding"].get("data") or {}
+            if data.get("markdown"):  # a finding's own table, rendered by its claim
+                lines += [data["markdown"].rstrip(), ""]
+            plot = data.get("plot")
             if plot:  # written beside the finding; the report sits beside the findings folder
                 lines += [f"![{c.key}]({Path(settings.findings).name}/{plot})", ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -144,6 +144,28 @@ def _fmt(ms: tuple[float, float]) -> str:
     return f"{100 * ms[0]:.1f} +- {100 * ms[1]:.1f}"
 
 
+def markdown_table(table: dict) -> str:
+    """The table as markdown: a row per mechanism, a column per task, each cell the test
+    accuracy (%) as mean +- std and the seeds' values; the best mean of a column in bold."""
+    tasks = list(table)
+    names = list(dict.fromkeys(n for t in tasks for n in table[t]))
+    best = {t: max(table[t], key=lambda n: mean_std(table[t][n])[0]) for t in tasks}
+    lines = ["| attention | " + " | ".join(f"{t} test acc (%)" for t in tasks) + " |"]
+    lines.append("|---" * (len(tasks) + 1) + "|")
+    for n in names:
+        cells = []
+        for t in tasks:
+            if n not in table[t]:
+                cells.append("")
+                continue
+            text = _fmt(mean_std(table[t][n]))
+            text = f"**{text}**" if n == best[t] else text
+            seeds = " / ".join(f"{100 * a:.1f}" for a in table[t][n])
+            cells.append(f"{text} ({seeds})")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 @claim(
     "table.equal_budget",
     paper="Equal budget",
@@ -184,7 +206,12 @@ def equal_budget(settings: Settings) -> Finding:
     title = f"equal budget: test accuracy, mean +- std over {settings.seeds} seeds"
     chance = {"pathfinder": 50.0} if "pathfinder" in table else None  # dashed: chance
     grouped_bars(bars, plot, title=title, lines=chance)
-    data = {"table": table, "plot": plot.name, "train_runs": train_runs}
+    data = {
+        "table": table,
+        "markdown": markdown_table(table),
+        "plot": plot.name,
+        "train_runs": train_runs,
+    }
     return Finding("; ".join(lines), verdict, why, data)
 
 
