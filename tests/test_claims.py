@@ -212,8 +212,12 @@ def test_distillation_verdict_and_runs_from_the_summaries(tmp_path, monkeypatch)
 
     monkeypatch.setattr(distillation, "distill_run", fake_run)
     settings = claims.Settings(seeds=3, workdir=tmp_path, findings=tmp_path / "f")
+    teacher = tmp_path / "distill" / "listops" / "teacher" / "seed0"
+    teacher.mkdir(parents=True)
+    (teacher / "summary.json").write_text(json.dumps({"wall_seconds": 30.0}))
     found = distillation.distillation(settings)
     assert found.verdict == claims.REPRODUCED  # recovers, and above both by > 2 stds
-    runs = found.data["train_runs"]
-    assert len(runs) == 9 and "distill/listops/rfa/seed2" in runs
-    assert sum(runs.values()) == 9 * 60.0
+    runs = found.data["train_runs"]  # 9 students and 3 teachers (two not trained: 0 s)
+    assert len(runs) == 12 and "distill/listops/rfa/seed2" in runs
+    assert runs["distill/listops/teacher/seed0"] == 30.0
+    assert sum(runs.values()) == 9 * 60.0 + 30.0

@@ -302,6 +302,7 @@ def test_distillation_end_to_end(column_teacher, column_run, tmp_path):
     assert final >= 0.9 * teacher  # recovers at least 90% of the teacher's accuracy
     assert final > s["baselines"]["scratch"]["val"]["accuracy"] + 0.3
     assert 0.0 <= s["baselines"]["no_stage1"]["val"]["accuracy"] <= 1.0
+    assert s["wall_seconds"] > 0  # the run's own time (the teacher's is in its summary)
     maps, info = distill.load_feature_maps(workdir / "feature_maps.msgpack")
     assert info["student"] == "hedgehog" and set(maps) == {
         ("block_0", "attention"),

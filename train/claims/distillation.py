@@ -44,11 +44,21 @@ def _source_dir(settings: Settings, student: str, seed: int) -> Path:
     return _root(settings) / SOURCE / student / f"seed{seed}"
 
 
-def _train_runs(settings: Settings, summaries: dict[Path, dict]) -> dict[str, float]:
-    """``{run: wall seconds}`` (the report counts a run read by several claims once); a
-    summary written before the wall time was kept counts 0."""
+def _teacher_dir(settings: Settings, task: str, seed: int) -> Path:
+    return _root(settings) / task / "teacher" / f"seed{seed}"
+
+
+def _train_runs(settings: Settings, summaries: dict[Path, dict], tasks) -> dict[str, float]:
+    """``{run: wall seconds}`` of the distillation runs (`summaries`, without their teacher)
+    and of the teachers on `tasks` (their own summaries; the report counts a run read by
+    several claims once). A summary written before the wall time was kept counts 0."""
+    runs = dict(summaries)
+    for task in tasks:
+        for seed in range(settings.seeds):
+            path = _teacher_dir(settings, task, seed) / "summary.json"
+            runs[path.parent] = json.loads(path.read_text()) if path.exists() else {}
     root = Path(settings.workdir)
-    return {str(p.relative_to(root)): s.get("wall_seconds", 0.0) for p, s in summaries.items()}
+    return {str(p.relative_to(root)): s.get("wall_seconds", 0.0) for p, s in runs.items()}
 
 
 def distill_run(settings: Settings, student: str, seed: int, *, stage2: bool = True) -> dict:
@@ -61,7 +71,7 @@ def distill_run(settings: Settings, student: str, seed: int, *, stage2: bool = T
             return summary
     return stages.distill(
         _config(SOURCE, student, seed, settings.quick),
-        teacher_workdir=_root(settings) / SOURCE / "teacher" / f"seed{seed}",
+        teacher_workdir=_teacher_dir(settings, SOURCE, seed),
         workdir=workdir,
         stage1_steps=5 if settings.quick else 300,
         stage2=stage2,
@@ -112,7 +122,8 @@ def distillation(settings: Settings) -> Finding:
         "here the teacher is a 2-layer ListOps model trained for the preset's steps, where "
         "the students also train well from scratch, so distillation has less to recover."
     )
-    data = {"recovery": rec, "test": test, "train_runs": _train_runs(settings, summaries)}
+    runs = _train_runs(settings, summaries, [SOURCE])
+    data = {"recovery": rec, "test": test, "train_runs": runs}
     return Finding(numbers, verdict, why, data)
 
 
@@ -137,7 +148,7 @@ def transfer(settings: Settings) -> Finding:
             workdir = _root(settings) / f"{SOURCE}_to_{TARGET}" / student / f"seed{seed}"
             s = stages.kernel_transfer(
                 _config(TARGET, student, seed, settings.quick),
-                teacher_workdir=_root(settings) / TARGET / "teacher" / f"seed{seed}",
+                teacher_workdir=_teacher_dir(settings, TARGET, seed),
                 source=_source_dir(settings, student, seed) / "feature_maps.msgpack",
                 workdir=workdir,
                 stage1_steps=5 if settings.quick else 300,
@@ -164,5 +175,6 @@ def transfer(settings: Settings) -> Finding:
         "here the two tasks (ListOps symbols, Pathfinder pixels) are further apart, and the "
         "accuracy drop is small when the target task is hard at this budget."
     )
-    data = {"closed": closed, "drop": drop, "train_runs": _train_runs(settings, summaries)}
+    runs = _train_runs(settings, summaries, [SOURCE, TARGET])
+    data = {"closed": closed, "drop": drop, "train_runs": runs}
     return Finding(numbers, verdict, why, data)

@@ -184,12 +184,12 @@ def distill(
     Writes ``workdir/feature_maps.msgpack`` (the distilled maps, for `kernel_transfer`) and
     ``workdir/distill_summary.json``; returns the summary.
     """
-    t_start = time.time()
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     student = config.attention
     student_feature_map(student, config.attention_config)
     t_trainer, t_state = _teacher(config, teacher_workdir, train_teacher, data, log)
+    t_start = time.time()  # the teacher's time is in its own run's summary
     data = t_trainer.data
     teacher_val = t_trainer.evaluate(t_state, "val")
     log(f"teacher (softmax) val: {_fmt(teacher_val)}")
@@ -282,7 +282,7 @@ def distill(
     if metric in final and teacher_val.get(metric):
         summary["recovery"] = final[metric] / teacher_val[metric]
     writer.close()
-    summary["wall_seconds"] = time.time() - t_start  # with the teacher's, if trained here
+    summary["wall_seconds"] = time.time() - t_start
     (workdir / "distill_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
@@ -314,7 +314,6 @@ def kernel_transfer(
     ``drop`` = own - transferred (metric; positive = transfer loses). With `train_teacher`,
     B's teacher is trained in `teacher_workdir` first if it has no checkpoint.
     """
-    t_start = time.time()
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     student = config.attention
@@ -323,6 +322,7 @@ def kernel_transfer(
     if src_info.get("student") not in (None, student):
         raise ValueError(f"{source} holds {src_info['student']!r} maps, not {student!r}")
     t_trainer, t_state = _teacher(config, teacher_workdir, train_teacher, data, log)
+    t_start = time.time()  # the teacher's time is in its own run's summary
     data = t_trainer.data
     s_trainer = trainer_lib.Trainer(config, data)
     base = init_student(t_state, s_trainer)
@@ -381,7 +381,7 @@ def kernel_transfer(
     if metric in summary["own"][key]:
         summary["drop"] = summary["own"][key][metric] - summary["transferred"][key][metric]
         log(f"transfer drop ({metric}, own - transferred): {summary['drop']:+.4f}")
-    summary["wall_seconds"] = time.time() - t_start  # with the teacher's, if trained here
+    summary["wall_seconds"] = time.time() - t_start
     (workdir / "transfer_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
