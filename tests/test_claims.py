@@ -221,3 +221,17 @@ def test_distillation_verdict_and_runs_from_the_summaries(tmp_path, monkeypatch)
     assert len(runs) == 12 and "distill/listops/rfa/seed2" in runs
     assert runs["distill/listops/teacher/seed0"] == 30.0
     assert sum(runs.values()) == 9 * 60.0 + 30.0
+
+
+def test_frequency_growth_reads_the_trained_frequencies(tmp_path):
+    """flexformer_n's frequency scale after a (quick) table run over its init: read from the
+    run's checkpoint (so not 1 exactly: the frequencies moved), None without one."""
+    from train import loop
+
+    settings = claims.Settings(seeds=1, quick=True, workdir=tmp_path, findings=tmp_path / "f")
+    assert table.frequency_growth(settings, "listops") is None
+    config = table.task_config("listops", "flexformer_n", 0, quick=True)
+    config.learning_rate = 0.1  # 4 steps (in warm-up) that move the frequencies a little
+    loop.train_and_evaluate(config, table._run_dir(settings, "listops", "flexformer_n", 0))
+    growth = table.frequency_growth(settings, "listops")
+    assert 0.5 < growth < 2.0 and abs(growth - 1.0) > 1e-5, growth  # measured 0.99983
