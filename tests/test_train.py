@@ -87,7 +87,7 @@ def test_sharded_step_matches_single_device():
     assert "fixed" in want_state.extra
     moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), want_state.params, init.params)
     assert min(jax.tree.leaves(moved)) > 0
-    for mesh_shape in [(4, 2), (8, 1)]:
+    for mesh_shape in [(4, 2)]:  # data and fsdp both split; (8, 1): test_flexformer's meshes
         config.mesh_shape = mesh_shape
         trainer, got_state, got_losses = _run_steps(config, task, jax.devices()[:8])
         assert dict(trainer.mesh.shape) == {"data": mesh_shape[0], "fsdp": mesh_shape[1]}
