@@ -96,14 +96,14 @@ def _params_of(workdir: Path, step: int):
 
 
 def test_kill_and_resume_matches_uninterrupted(tmp_path):
-    steps = 60
+    steps = 30
     data_dir = tmp_path / "data"
     args = ["--attention=performer", f"--steps={steps}", f"--data_dir={data_dir}", *TINY]
     args += [
         "--set=data.seq_len=32",
         "--set=attention_config.num_features=8",  # stochastic: redraws from the step rng
         "--set=model.dropout_rate=0.1",  # dropout rng
-        "--set=eval_every=30",
+        "--set=eval_every=15",
         "--set=checkpoint_every=5",
         "--set=max_to_keep=20",
         "--set=eval_test=False",
