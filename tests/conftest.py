@@ -43,9 +43,10 @@ def optimised_xla(monkeypatch):
     """XLA's optimisation passes on (the suite runs with them off, see the top of this file),
     in this process and in the subprocesses a test starts. Used by test_mechanisms, so every
     mechanism's forward and backward is still compiled the way users run it."""
+    before = jax.config.read("jax_disable_most_optimizations")
     monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
     jax.config.update("jax_disable_most_optimizations", False)
     try:
         yield
     finally:
-        jax.config.update("jax_disable_most_optimizations", True)
+        jax.config.update("jax_disable_most_optimizations", before)
