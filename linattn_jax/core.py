@@ -94,6 +94,13 @@ def _append_ones(v):
     return jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)
 
 
+def heads_last(x):
+    """``[B, H, T, ...] -> [B, T, H, ...]``: the layout the core takes. A feature map that
+    computes heads first (its projection then writes each head's features contiguously)
+    returns them through this; the core's own swap back to heads first cancels it."""
+    return jnp.swapaxes(x, 1, 2)
+
+
 def _split_last(x):
     """``(x[..., :-1], x[..., -1])``: a ``[.. | last]`` product split into its two parts."""
     return x[..., :-1], x[..., -1]
@@ -106,11 +113,16 @@ def read_out(phi_q, s, z, mass=None, *, eps: float = DENOMINATOR_EPS, den_floor:
     (sum of phi(k)), `mass` ``[B, H]`` (the key-mass channel summed under the same weights;
     None without a floor) -> ``[B, Tq, H, Dv]``. The non-causal path, the recurrent step and
     the sequence-parallel reduction all end here."""
-    # one product for the numerator and the denominator: phi_q [S | z]
-    nd = jnp.einsum("bthm,bhmd->bthd", phi_q, jnp.concatenate([s, z[..., None]], axis=-1))
-    num, den = _split_last(nd)
+    # Heads first ([B, H, Tq, M]): each head's products run on contiguous rows. A feature
+    # map that computes its features heads first and swaps them back (`heads_last`) has
+    # this swap cancel against its own, so its M-wide features are never transposed.
+    pq = jnp.swapaxes(phi_q, 1, 2)
+    num = jnp.einsum("bhtm,bhmd->bhtd", pq, s)
+    den = jnp.einsum("bhtm,bhm->bht", pq, z)
     floor = None if mass is None else denominator_floor(phi_q, mass[:, None], den_floor)
-    return num / guard_denominator(den, eps, floor)[..., None]
+    if floor is not None:
+        floor = jnp.swapaxes(floor, 1, 2)
+    return jnp.swapaxes(num / guard_denominator(den, eps, floor)[..., None], 1, 2)
 
 
 def _split_mass(phi_q, phi_k, den_floor):
@@ -205,11 +217,11 @@ def linear_attention(
             raise ValueError("linear_attention: log_decay needs causal=True")
         phi_q, phi_k, mass = _split_mass(phi_q, phi_k, den_floor)
         wk = jnp.exp(ns - lax.stop_gradient(jnp.max(ns, axis=1, keepdims=True)))  # [B, Tk, H]
-        # the key weights go on [v | 1] (Dv + 1 wide), not on phi_k (M wide): one product
-        # gives S = sum_j w_j phi(k_j) v_j^T and z = sum_j w_j phi(k_j)
-        vw = _append_ones(v) * wk[..., None]
-        kvz = jnp.einsum("bthm,bthd->bhmd", phi_k, vw)  # [B, H, M, Dv + 1]
-        kv, z = _split_last(kvz)
+        # the key weights go on v (Dv wide), not on phi_k (M wide); heads first as in
+        # `read_out`
+        pk = jnp.swapaxes(phi_k, 1, 2)  # [B, H, Tk, M]
+        kv = jnp.einsum("bhtm,bthd->bhmd", pk, v * wk[..., None])
+        z = jnp.einsum("bhtm,bth->bhm", pk, wk)
         key_mass = None if mass is None else jnp.sum(mass * wk, axis=1)  # [B, H]
         return read_out(phi_q, kv, z, key_mass, eps=eps, den_floor=den_floor)
     return _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps, den_floor=den_floor)[0]
@@ -663,6 +675,7 @@ __all__ = [
     "mass_channel",
     "denominator_floor",
     "read_out",
+    "heads_last",
     "masked_max",
     "key_mask",
     "linear_attention",

@@ -79,18 +79,21 @@ def feature_map(x, features, *, stabilize: bool = True):
       features: ``[H, M, d]`` random features W, or ``[1, M, d]`` shared by the heads.
       stabilize: subtract the per-token max.
     """
-    xh = core.scale_inputs(x)
+    # computed heads first ([B, H, T, .]: the input, d wide, is transposed instead of the
+    # M-wide features; `core.heads_last` hands them back in the core's layout)
+    xh = jnp.swapaxes(core.scale_inputs(x), 1, 2)
     w = features.astype(jnp.float32)
-    if w.shape[0] == 1:  # shared by the heads: one [B T H, d] x [d, M] matmul
-        wx = jnp.einsum("bthd,md->bthm", xh, w[0])
+    if w.shape[0] == 1:  # shared by the heads: one [B H T, d] x [d, M] matmul
+        wx = jnp.einsum("bhtd,md->bhtm", xh, w[0])
     else:
-        wx = jnp.einsum("bthd,hmd->bthm", xh, w)
+        wx = jnp.einsum("bhtd,hmd->bhtm", xh, w)
     logits = wx - 0.5 * jnp.sum(xh * xh, axis=-1, keepdims=True)
     n = jnp.zeros(logits.shape[:-1], jnp.float32)
     if stabilize:
         n = lax.stop_gradient(jnp.max(logits, axis=-1))
     m = features.shape[1]
-    return (jnp.exp(logits - n[..., None]) + FEATURE_EPS) * m**-0.5, n
+    phi = (jnp.exp(logits - n[..., None]) + FEATURE_EPS) * m**-0.5
+    return core.heads_last(phi), core.heads_last(n)
 
 
 def _query(q, params):
