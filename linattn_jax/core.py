@@ -323,11 +323,12 @@ def _causal_chunked(
         log_decay, mass = jnp.pad(log_decay, widths[:3]), jnp.pad(mass, widths[:3])
         ns = jnp.pad(ns, widths[:3], constant_values=_NEG)
 
-    def chunks(x):  # [B, n*c, ...] -> [n, B, c, ...]
-        return jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)
+    def chunks(x):  # [B, n*c, H, ...] -> [n, B, H, c, ...] (heads first)
+        x = jnp.swapaxes(x, 1, 2)
+        return jnp.moveaxis(x.reshape(b, h, n, c, *x.shape[3:]), 2, 0)
 
     # Cumulative log-decay inside each chunk: G_t = sum_{l <= t} log g_l.
-    g = jnp.cumsum(chunks(log_decay), axis=2)  # [n, B, c, H]
+    g = jnp.cumsum(chunks(log_decay), axis=-1)  # [n, B, H, c]
     tril = jnp.tril(jnp.ones((c, c), bool))
 
     def step(carry, xs):
@@ -336,32 +337,30 @@ def _causal_chunked(
         # carried as one sz = [s | z] [B, H, M, Dv + 1] (the values as [v | 1]), so that
         # each product gives a numerator and its denominator together.
         sz, zm, mp = carry
-        pq, pk, vc, gc, nc, mc = xs  # vc: [v | 1]
+        pq, pk, vc, gc, nc, mc = xs  # heads first; vc: [v | 1]
         # Running max of the key log-scales up to each position (detached; it cancels).
-        cm = lax.stop_gradient(jnp.maximum(mp[:, None, :], lax.cummax(nc, axis=1)))  # [B, c, H]
+        cm = lax.stop_gradient(jnp.maximum(mp[..., None], lax.cummax(nc, axis=2)))  # [B, H, c]
         # Intra-chunk weights exp(G_i - G_j + n_j - cm_i) for j <= i (all <= 1).
-        gt, nt, ct = (x.transpose(0, 2, 1) for x in (gc, nc, cm))  # [B, H, c]
-        logw = gt[:, :, :, None] - gt[:, :, None, :] + nt[:, :, None, :] - ct[:, :, :, None]
+        logw = gc[..., :, None] - gc[..., None, :] + nc[..., None, :] - cm[..., :, None]
         weight = jnp.where(tril, jnp.exp(jnp.where(tril, logw, 0.0)), 0.0)  # [B, H, c, c]
-        scores = jnp.einsum("bihm,bjhm->bhij", pq, pk) * weight
-        nd = jnp.einsum("bhij,bjhd->bihd", scores, vc)  # [B, c, H, Dv + 1]
+        scores = jnp.einsum("bhim,bhjm->bhij", pq, pk) * weight
+        nd = jnp.einsum("bhij,bhjd->bhid", scores, vc)  # [B, H, c, Dv + 1]
         # Inter-chunk: the carried state decayed to position i by exp(G_i), rescaled to cm_i.
-        carry_scale = jnp.exp(gc + mp[:, None, :] - cm)  # [B, c, H]
-        pq_dec = pq * carry_scale[..., None]
-        nd = nd + jnp.einsum("bihm,bhmd->bihd", pq_dec, sz)
+        carry_scale = jnp.exp(gc + mp[..., None] - cm)  # [B, H, c]
+        nd = nd + jnp.einsum("bhim,bhmd->bhid", pq * carry_scale[..., None], sz)
         num, den = _split_last(nd)
         floor = None
         if den_floor:  # the mass channel under the same weights
-            mass_i = jnp.einsum("bhij,bjh->bih", weight, mc) + carry_scale * zm[:, None, :]
+            mass_i = jnp.einsum("bhij,bhj->bhi", weight, mc) + carry_scale * zm[..., None]
             floor = denominator_floor(pq, mass_i, den_floor)
         out = num / guard_denominator(den, eps, floor)[..., None]
         # State after the chunk: old state decayed by exp(G_last), new keys by
         # exp(G_last - G_j), all relative to the new running max.
-        g_last, m_new = gc[:, -1], cm[:, -1]  # [B, H]
-        w = jnp.exp(g_last[:, None, :] - gc + nc - m_new[:, None, :])[..., None]  # [B, c, H, 1]
+        g_last, m_new = gc[..., -1], cm[..., -1]  # [B, H]
+        w = jnp.exp(g_last[..., None] - gc + nc - m_new[..., None])  # [B, H, c]
         old = jnp.exp(g_last + mp - m_new)
-        sz = sz * old[..., None, None] + jnp.einsum("bjhm,bjhd->bhmd", pk, vc * w)
-        zm = zm * old + jnp.sum(mc * w[..., 0], axis=1)
+        sz = sz * old[..., None, None] + jnp.einsum("bhjm,bhjd->bhmd", pk, vc * w[..., None])
+        zm = zm * old + jnp.sum(mc * w, axis=-1)
         return (sz, zm, m_new), out
 
     if initial_state is None:
@@ -375,9 +374,9 @@ def _causal_chunked(
     v1 = _append_ones(v)  # padded keys: phi_k = 0
     xs = (chunks(phi_q), chunks(phi_k), chunks(v1), g, chunks(ns), chunks(mass))
     sz0 = jnp.concatenate([s0, z0[..., None]], axis=-1)
-    (sz, zm, c_last), out = lax.scan(step, (sz0, zm0, c0), xs)
+    (sz, zm, c_last), out = lax.scan(step, (sz0, zm0, c0), xs)  # out [n, B, H, c, Dv]
     s, z = _split_last(sz)
-    out = jnp.moveaxis(out, 0, 1).reshape(b, n * c, h, dv)
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, dv).swapaxes(1, 2)
     if den_floor:
         s = jnp.concatenate([s, jnp.zeros_like(s[..., :1, :])], axis=-2)
         z = jnp.concatenate([z, zm[..., None]], axis=-1)
