@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -485,6 +487,46 @@ def normalized_weights(
     return a / guard_denominator(jnp.sum(a, axis=-1, keepdims=True), eps, floor)
 
 
+#: pi / 2 in three parts (Cody-Waite): ``k * _PIO2[0]`` and ``k * _PIO2[1]`` are exact in
+#: float32 for |x| < ~1e4, so the reduced argument keeps its accuracy there.
+_PIO2 = (2 * 0.78515625, 2 * 2.4187564849853515625e-4, 2 * 3.77489497744594108e-8)
+#: Minimax polynomials of sin and cos on [-pi/4, pi/4] (Cephes' single-precision sinf/cosf).
+_SIN_C = (-1.6666654611e-1, 8.3321608736e-3, -1.9515295891e-4)
+_COS_C = (4.166664568298827e-2, -1.388731625493765e-3, 2.443315711809948e-5)
+
+
+@jax.custom_jvp
+def sincos(x):
+    """``(sin x, cos x)`` of float32 `x` with one shared range reduction.
+
+    ``x = k pi/2 + r`` with ``|r| <= pi/4``, both from polynomials in r, swapped and negated
+    by the quadrant ``k mod 4``. The trigonometric feature maps (flexformer, rfa) need both
+    of the same argument; XLA's CPU `cos` and `sin` reduce the argument twice and cost
+    about 4x an `exp` together, this costs about one (measured on [1, 4096, 4, 128]).
+    Absolute error <= 1e-7 against float64 for |x| < 1e4 (the reduction's exact range;
+    beyond it the error grows with |x|: <= 1e-6 at 1e5), its derivatives are ``(cos x, -sin x)`` from
+    the same outputs (a custom JVP: the backward pass costs two products).
+    """
+    x = x.astype(_f32)
+    k = jnp.round(x * (2 / math.pi))
+    r = ((x - k * _PIO2[0]) - k * _PIO2[1]) - k * _PIO2[2]
+    r2 = r * r
+    s = r + r * r2 * (_SIN_C[0] + r2 * (_SIN_C[1] + r2 * _SIN_C[2]))
+    c = 1.0 - 0.5 * r2 + r2 * r2 * (_COS_C[0] + r2 * (_COS_C[1] + r2 * _COS_C[2]))
+    q = k.astype(jnp.int32) & 3  # the quadrant
+    odd = (q & 1) == 1
+    sin, cos = jnp.where(odd, c, s), jnp.where(odd, s, c)
+    return jnp.where(q >= 2, -sin, sin), jnp.where((q == 1) | (q == 2), -cos, cos)
+
+
+@sincos.defjvp
+def _sincos_jvp(primals, tangents):
+    # the exact derivatives from the outputs themselves: d sin = cos dx, d cos = -sin dx
+    sin, cos = sincos(primals[0])
+    dx = tangents[0].astype(_f32)
+    return (sin, cos), (cos * dx, -sin * dx)
+
+
 def scale_inputs(x):
     """``x^ = x d^(-1/4)`` in float32, so ``exp(q^ . k^) = exp(q . k / sqrt(d))``."""
     x = x.astype(_f32)
@@ -682,4 +724,5 @@ __all__ = [
     "attend",
     "normalized_weights",
     "scale_inputs",
+    "sincos",
 ]

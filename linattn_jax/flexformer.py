@@ -197,11 +197,10 @@ def init_n(
 
 
 def _project(xh, omega):
+    """``Omega x^`` heads first: `xh` ``[B, H, T, d]`` -> ``[B, H, T, M]``."""
     # Full float32 precision: cos/sin of Omega x^ are sensitive to rounding of the
     # argument, and accelerators default to reduced-precision matmuls.
-    return jnp.einsum(
-        "bthd,hmd->bthm", xh, omega.astype(_f32), precision=lax.Precision.HIGHEST
-    )  # [B, T, H, M]
+    return jnp.einsum("bhtd,hmd->bhtm", xh, omega.astype(_f32), precision=lax.Precision.HIGHEST)
 
 
 def _stabilised_norm_factor(s, *, is_query, mask):
@@ -217,13 +216,13 @@ def _stabilised_norm_factor(s, *, is_query, mask):
 
 
 def _trig_s(xh, omega):
-    wx = _project(xh, omega)
-    return jnp.concatenate([jnp.cos(wx), jnp.sin(wx)], axis=-1) * omega.shape[1] ** -0.5
+    sin, cos = core.sincos(_project(xh, omega))
+    return jnp.concatenate([cos, sin], axis=-1) * omega.shape[1] ** -0.5
 
 
 def _trig_n(xh, omega1, omega2):
-    w1, w2 = _project(xh, omega1), _project(xh, omega2)
-    feats = jnp.concatenate([jnp.cos(w1) + jnp.cos(w2), jnp.sin(w1) + jnp.sin(w2)], axis=-1)
+    (s1, c1), (s2, c2) = core.sincos(_project(xh, omega1)), core.sincos(_project(xh, omega2))
+    feats = jnp.concatenate([c1 + c2, s1 + s2], axis=-1)
     return feats * (4 * omega1.shape[1]) ** -0.5
 
 
@@ -252,9 +251,13 @@ def _parts(variant, x, params, radius=None):
     """``(s, phi)``: log norm factor ``[B, T, H, 1]`` and trig features ``[B, T, H, 2M]``."""
     x = _normalize(x, radius)
     xh = core.scale_inputs(x)
+    # the features are computed heads first (the d-wide input is transposed, not the
+    # 2M-wide features) and handed back in the core's layout
+    xt = jnp.swapaxes(xh, 1, 2)
     if variant == "s":
-        return _log_norm_s(xh), _trig_s(xh, params["omega"])
-    return _log_norm_n(x, params["tau"]), _trig_n(xh, params["omega1"], params["omega2"])
+        return _log_norm_s(xh), core.heads_last(_trig_s(xt, params["omega"]))
+    trig = _trig_n(xt, params["omega1"], params["omega2"])
+    return _log_norm_n(x, params["tau"]), core.heads_last(trig)
 
 
 def feature_map_s(x, params, *, is_query: bool, mask=None, qk_radius=QK_RADIUS):

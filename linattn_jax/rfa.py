@@ -48,8 +48,11 @@ def feature_map(x, params, features=None):
     """``[B, T, H, d] -> [B, T, H, 2M]`` trig features of the unit-normalised x."""
     w = params["features"] if features is None else features
     w = lax.stop_gradient(w.astype(jnp.float32)) * params["sigma"][:, None, :]
-    wx = jnp.einsum("bthd,hmd->bthm", _unit(x), w)
-    return jnp.concatenate([jnp.sin(wx), jnp.cos(wx)], axis=-1) * w.shape[1] ** -0.5
+    # heads first (the d-wide input is transposed, not the 2M-wide features; see
+    # `core.heads_last`), one shared range reduction for sin and cos (`core.sincos`)
+    wx = jnp.einsum("bhtd,hmd->bhtm", jnp.swapaxes(_unit(x), 1, 2), w)
+    sin, cos = core.sincos(wx)
+    return core.heads_last(jnp.concatenate([sin, cos], axis=-1) * w.shape[1] ** -0.5)
 
 
 def _key(k, params, *, gate=False):
