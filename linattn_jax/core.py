@@ -504,8 +504,9 @@ def sincos(x):
     of the same argument; XLA's CPU `cos` and `sin` reduce the argument twice and cost
     about 4x an `exp` together, this costs about one (measured on [1, 4096, 4, 128]).
     Absolute error <= 1e-7 against float64 for |x| < 1e4 (the reduction's exact range;
-    beyond it the error grows with |x|: <= 1e-6 at 1e5), its derivatives are ``(cos x, -sin x)`` from
-    the same outputs (a custom JVP: the backward pass costs two products).
+    beyond it the error grows with |x|: <= 1e-6 at 1e5). Its derivatives are
+    ``(cos x, -sin x)`` from the same outputs (a custom JVP: the backward pass costs two
+    products).
     """
     x = x.astype(_f32)
     k = jnp.round(x * (2 / math.pi))

@@ -26,8 +26,11 @@ def init(rng, *, num_heads: int, head_dim: int):
 
 def feature_map(x, params):
     """``[B, T, H, d] -> [B, T, H, 2d]`` float32, positive, each half summing to 1."""
-    a = jnp.einsum("bthd,hed->bthe", x.astype(jnp.float32), params["w"]) + params["b"][None, None]
-    return jnp.concatenate([jax.nn.softmax(a, axis=-1), jax.nn.softmax(-a, axis=-1)], axis=-1)
+    # heads first, as the per-head product writes it (`core.heads_last`)
+    a = jnp.einsum("bthd,hed->bhte", x.astype(jnp.float32), params["w"])
+    a = a + params["b"][None, :, None]
+    phi = jnp.concatenate([jax.nn.softmax(a, axis=-1), jax.nn.softmax(-a, axis=-1)], axis=-1)
+    return core.heads_last(phi)
 
 
 FEATURE_MAP = core.FeatureMap(

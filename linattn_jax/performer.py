@@ -22,23 +22,44 @@ from linattn_jax.registry import Mechanism, register
 FEATURE_EPS = 1e-6
 
 
+def orthonormal_rows(a):
+    """The rows of `a` ``[..., n, d]`` (n <= d) orthonormalised in order by Gram-Schmidt
+    (each row projected out twice, which keeps them orthogonal to float32 rounding).
+
+    The result is ``Q^T`` for the QR of ``a^T`` with a positive diagonal in R, so for a
+    Gaussian `a` it is Haar-distributed. Written with matrix-vector products instead of
+    LAPACK's batched QR: on the CPU, jaxlib's batched QR waits on XLA's own thread pool
+    for its batch, and two of them running at once (the per-call redraw in two layers of
+    a model) can deadlock a pool of two threads.
+    """
+    n = a.shape[-2]
+    hi = lax.Precision.HIGHEST
+
+    def body(i, q):  # rows >= i of q are still zero
+        row = lax.dynamic_index_in_dim(a, i, axis=-2, keepdims=False)
+        for _ in range(2):
+            coef = jnp.einsum("...nd,...d->...n", q, row, precision=hi)
+            row = row - jnp.einsum("...nd,...n->...d", q, coef, precision=hi)
+        row = row * lax.rsqrt(jnp.sum(row * row, axis=-1, keepdims=True))
+        return lax.dynamic_update_index_in_dim(q, row, i, axis=-2)
+
+    return lax.fori_loop(0, n, body, jnp.zeros_like(a))
+
+
 def orthogonal_features(rng, num_heads: int, num_features: int, head_dim: int):
     """Orthogonal random features ``[H, M, d]`` (float32).
 
-    Each head stacks ``ceil(M / d)`` blocks of d orthonormal rows (QR of a
-    Gaussian d x d matrix), truncated to M rows; row i is then rescaled by the
-    norm of an independent ``N(0, I_d)`` vector, so each row is marginally
-    ``N(0, I_d)`` and rows within a block are exactly orthogonal.
+    Each head stacks ``ceil(M / d)`` blocks of d orthonormal rows (Gram-Schmidt of a
+    Gaussian d x d matrix, `orthonormal_rows`: Haar-distributed), truncated to M rows; row
+    i is then rescaled by the norm of an independent ``N(0, I_d)`` vector, so each row is
+    marginally ``N(0, I_d)`` and rows within a block are exactly orthogonal.
     """
     n_blocks = -(-num_features // head_dim)
     k_q, k_n = jax.random.split(rng)
     g = jax.random.normal(k_q, (num_heads, n_blocks, head_dim, head_dim), jnp.float32)
-    qmat, r = jnp.linalg.qr(g)  # columns orthonormal
-    # Fix the sign convention of the QR (sign(diag R) > 0) so that Q is Haar-distributed;
-    # without it the columns are not uniform on the sphere and the estimator is biased.
-    qmat = qmat * jnp.sign(jnp.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
-    rows = jnp.swapaxes(qmat, -1, -2).reshape(num_heads, n_blocks * head_dim, head_dim)
-    rows = rows[:, :num_features]
+    # the rows of g^T: the same draw as the columns of g in the QR-based versions before
+    rows = orthonormal_rows(jnp.swapaxes(g, -1, -2))
+    rows = rows.reshape(num_heads, n_blocks * head_dim, head_dim)[:, :num_features]
     norms = jnp.linalg.norm(
         jax.random.normal(k_n, (num_heads, num_features, head_dim), jnp.float32), axis=-1
     )

@@ -31,6 +31,28 @@ def test_orthogonal_features_are_orthogonal_in_blocks():
             np.testing.assert_allclose(gram - jnp.diag(jnp.diag(gram)), 0.0, atol=1e-4)
 
 
+def test_orthonormal_rows_is_the_sign_fixed_qr_and_the_redraw_calls_no_lapack():
+    # the Q^T of the QR of a^T with a positive diagonal in R (the Haar-distributed draw)
+    a = jax.random.normal(jax.random.key(0), (3, 8, 8))
+    qmat, r = jnp.linalg.qr(jnp.swapaxes(a, -1, -2))
+    qmat = qmat * jnp.sign(jnp.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
+    rows = performer.orthonormal_rows(a)
+    np.testing.assert_allclose(rows, jnp.swapaxes(qmat, -1, -2), atol=2e-6)
+    np.testing.assert_allclose(
+        rows @ jnp.swapaxes(rows, -1, -2), np.broadcast_to(np.eye(8), (3, 8, 8)), atol=1e-6
+    )
+    # the per-call redraw is matrix-vector products only: no LAPACK custom call, whose
+    # batched QR can deadlock XLA's CPU thread pool when two run at once
+    mech = la.get("performer")
+    q, k, v = qkv(b=1, tq=4, tk=4, h=2, d=8)
+    hlo = (
+        jax.jit(lambda q, k, v, rng: mech.attention(q, k, v, init(mech, d=8), rng))
+        .lower(q, k, v, jax.random.key(1))
+        .as_text()
+    )
+    assert "custom_call" not in hlo, [ln for ln in hlo.splitlines() if "custom_call" in ln][:3]
+
+
 def test_performer_kernel_estimate_is_unbiased():
     """E[phi(q) . phi(k)] = exp(q.k / sqrt(d)), checked against the Monte-Carlo error."""
     d, m, n = 8, 16, 4000

@@ -193,6 +193,17 @@ def run(claims: Iterable[Claim], settings: Settings, *, rerun: bool = False, log
     return records
 
 
+def run_seconds(settings: Settings, summaries: dict[Path, dict]) -> dict[str, float]:
+    """``{run: wall seconds}`` from training runs' summaries (``{run directory: summary}``),
+    each run named by its directory under the workdir, so that `compute_seconds` counts a
+    run read by several claims once. A summary without a wall time (written before it was
+    kept) counts 0."""
+    root = Path(settings.workdir)
+    return {
+        str(Path(p).relative_to(root)): s.get("wall_seconds", 0.0) for p, s in summaries.items()
+    }
+
+
 def compute_seconds(records) -> float:
     """The compute behind `records`: every training run a finding read (its ``train_runs``,
     ``{run: wall seconds}``, kept by the training claims) counted once, though several claims

@@ -16,6 +16,7 @@ from train.claims import (
     Settings,
     claim,
     mean_std,
+    run_seconds,
 )
 from train.distill import stages
 
@@ -49,16 +50,14 @@ def _teacher_dir(settings: Settings, task: str, seed: int) -> Path:
 
 
 def _train_runs(settings: Settings, summaries: dict[Path, dict], tasks) -> dict[str, float]:
-    """``{run: wall seconds}`` of the distillation runs (`summaries`, without their teacher)
-    and of the teachers on `tasks` (their own summaries; the report counts a run read by
-    several claims once). A summary written before the wall time was kept counts 0."""
+    """`claims.run_seconds` of the distillation runs (`summaries`, without their teacher)
+    and of the teachers on `tasks` (their own summaries)."""
     runs = dict(summaries)
     for task in tasks:
         for seed in range(settings.seeds):
             path = _teacher_dir(settings, task, seed) / "summary.json"
             runs[path.parent] = json.loads(path.read_text()) if path.exists() else {}
-    root = Path(settings.workdir)
-    return {str(p.relative_to(root)): s.get("wall_seconds", 0.0) for p, s in runs.items()}
+    return run_seconds(settings, runs)
 
 
 def distill_run(settings: Settings, student: str, seed: int, *, stage2: bool = True) -> dict:

@@ -30,6 +30,7 @@ from train.claims import (
     Settings,
     claim,
     mean_std,
+    run_seconds,
 )
 from train.results import grouped_bars
 
@@ -86,9 +87,10 @@ def table_tasks(settings: Settings) -> tuple[str, ...]:
     return tasks
 
 
-def run_table(settings: Settings, mechanisms=None, tasks=None) -> dict:
+def run_table(settings: Settings, mechanisms=None, tasks=None, summaries=None) -> dict:
     """``{task: {mechanism: [test accuracy per seed]}}`` (default: every `MECHANISMS` on
-    the tasks of `table_tasks`), training what is not finished."""
+    the tasks of `table_tasks`), training what is not finished. `summaries`, a dict if
+    given, receives each run's summary by its directory."""
     out: dict[str, dict[str, list[float]]] = {}
     for task in tasks or table_tasks(settings):
         out[task] = {}
@@ -98,6 +100,8 @@ def run_table(settings: Settings, mechanisms=None, tasks=None) -> dict:
                 run_dir = _run_dir(settings, task, name, seed)
                 config = task_config(task, name, seed, settings.quick)
                 summary = _finished(run_dir, config) or loop.train_and_evaluate(config, run_dir)
+                if summaries is not None:
+                    summaries[run_dir] = summary
                 accs.append(float(summary["test"]["accuracy"]))
             out[task][name] = accs
     return out
@@ -105,19 +109,6 @@ def run_table(settings: Settings, mechanisms=None, tasks=None) -> dict:
 
 def _run_dir(settings: Settings, task: str, name: str, seed: int) -> Path:
     return Path(settings.workdir) / "runs" / task / name / f"seed{seed}"
-
-
-def _train_runs(settings: Settings, table: dict) -> dict[str, float]:
-    """``{run: wall seconds}`` of the table's runs (each run's summary), the runs named by
-    their directory under the workdir (the report counts a run read by several claims once)."""
-    runs = {}
-    for t in table:
-        for n in table[t]:
-            for s in range(len(table[t][n])):
-                run_dir = _run_dir(settings, t, n, s)
-                summary = json.loads((run_dir / "summary.json").read_text())
-                runs[str(run_dir.relative_to(settings.workdir))] = summary["wall_seconds"]
-    return runs
 
 
 def _finished(run_dir: Path, config) -> dict | None:
@@ -179,7 +170,8 @@ def markdown_table(table: dict) -> str:
     kind="train",
 )
 def equal_budget(settings: Settings) -> Finding:
-    table = run_table(settings)
+    summaries: dict[Path, dict] = {}
+    table = run_table(settings, summaries=summaries)
     lines = []
     for task in table:
         cells = _cells(table, task)
@@ -199,7 +191,7 @@ def equal_budget(settings: Settings) -> Finding:
         f"each task at this budget (test accuracy above {LEARNED}): {learns}. The claims "
         "that compare its rows skip a task softmax does not learn."
     )
-    train_runs = _train_runs(settings, table)
+    train_runs = run_seconds(settings, summaries)
     train_s = sum(train_runs.values())
     why += f" Its training runs took {train_s / 3600:.1f} h of wall time in all (summed)."
     plot = Path(settings.findings) / "table.equal_budget.png"
@@ -295,7 +287,7 @@ def frequency_growth(settings: Settings, task: str, name="flexformer_n", seed=0)
         rows = [
             np.linalg.norm(np.asarray(x), axis=-1).mean()
             for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
-            if jax.tree_util.keystr(path).split("'")[-2].startswith("omega")
+            if path[-1].key.startswith("omega")
         ]
         return float(np.mean(rows))
 
