@@ -83,8 +83,9 @@ def mass_channel(phi, *, is_query: bool):
 
 def denominator_floor(phi_q, mass, den_floor):
     """The relative floor ``gamma |phi(q_i)| mass_i`` of `guard_denominator` (None when
-    `den_floor` is 0); `phi_q` ``[B, Tq, H, M]``, `mass` broadcasting as ``[B, Tq, H]`` (the
-    mass channel summed under the denominator's weights)."""
+    `den_floor` is 0); `phi_q` ``[..., M]`` in any layout (``[B, Tq, H, M]``, or heads first
+    inside the core), `mass` broadcasting against its leading axes (the mass channel summed
+    under the denominator's weights)."""
     if not den_floor:
         return None
     return den_floor * jnp.sqrt(jnp.sum(phi_q * phi_q, axis=-1) + _TINY_SQ) * mass
@@ -121,9 +122,7 @@ def read_out(phi_q, s, z, mass=None, *, eps: float = DENOMINATOR_EPS, den_floor:
     pq = jnp.swapaxes(phi_q, 1, 2)
     num = jnp.einsum("bhtm,bhmd->bhtd", pq, s)
     den = jnp.einsum("bhtm,bhm->bht", pq, z)
-    floor = None if mass is None else denominator_floor(phi_q, mass[:, None], den_floor)
-    if floor is not None:
-        floor = jnp.swapaxes(floor, 1, 2)
+    floor = None if mass is None else denominator_floor(pq, mass[..., None], den_floor)
     return jnp.swapaxes(num / guard_denominator(den, eps, floor)[..., None], 1, 2)
 
 
