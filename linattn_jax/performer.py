@@ -11,6 +11,8 @@ attention ratio. The eps is relative to each token's largest feature.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -88,9 +90,11 @@ def feature_map(x, features, *, stabilize: bool = True):
     """FAVOR+ features, ``[B, T, H, d] -> ([B, T, H, M], [B, T, H])`` float32.
 
     Returns ``(phi, n)`` with the estimator's features ``exp(n) * phi``:
-    ``phi = M^(-1/2) (exp(W x^ - |x^|^2 / 2 - n) + eps)`` and ``n`` the detached
-    per-token max of the exponent (0 when ``stabilize=False``, which gives the raw
-    estimator features whose dot products estimate ``exp(q.k / sqrt(d))``). For
+    ``phi = M^(-1/2) (exp(W x^ - |x^|^2 / 2 - n) + eps exp(top - n))`` with ``top`` the
+    token's largest exponent (so eps is relative to its largest feature, a detached
+    constant) and ``n`` the detached per-token max of the exponent, top (0 when
+    ``stabilize=False``, which gives the raw estimator features whose dot products
+    estimate ``exp(q.k / sqrt(d))``). For
     queries n cancels in the attention ratio; for keys it is passed to the core as
     ``key_log_scale``, which stabilises it over the visible keys (a running max
     when causal, so no query depends on future keys).
@@ -102,18 +106,27 @@ def feature_map(x, features, *, stabilize: bool = True):
     """
     # computed heads first ([B, H, T, .]: the input, d wide, is transposed instead of the
     # M-wide features; `core.heads_last` hands them back in the core's layout)
-    xh = jnp.swapaxes(core.scale_inputs(x), 1, 2)
+    xs = core.scale_inputs(x)
+    xh = jnp.swapaxes(xs, 1, 2)
     w = features.astype(jnp.float32)
     if w.shape[0] == 1:  # shared by the heads: one [B H T, d] x [d, M] matmul
         wx = jnp.einsum("bhtd,md->bhtm", xh, w[0])
     else:
         wx = jnp.einsum("bhtd,hmd->bhtm", xh, w)
-    logits = wx - 0.5 * jnp.sum(xh * xh, axis=-1, keepdims=True)
-    n = jnp.zeros(logits.shape[:-1], jnp.float32)
-    if stabilize:
-        n = lax.stop_gradient(jnp.max(logits, axis=-1))
+    # from x as given (a second reading of the transposed xh costs XLA a second transpose)
+    half_sq = jnp.swapaxes(0.5 * jnp.sum(xs * xs, axis=-1), 1, 2)  # [B, H, T]
+    top = lax.stop_gradient(jnp.max(wx, axis=-1) - half_sq)  # each token's largest exponent
+    n = top if stabilize else jnp.zeros_like(top)
     m = features.shape[1]
-    phi = (jnp.exp(logits - n[..., None]) + FEATURE_EPS) * m**-0.5
+    # Every per-token term is folded into a [B, H, T] array before it meets the M-wide
+    # projection, so the M-wide expression holds no scalar constant: XLA's CPU fusion of a
+    # matmul with its elementwise consumers materialises each constant it meets at the full
+    # [B, H, T, M] shape (two 64 MB buffers a call at T = 16k, about 20% of the forward).
+    shift = half_sq + n + 0.5 * math.log(m)  # the 1/sqrt(M) as a log
+    # the eps is relative to the token's largest feature, exp(top - n) / sqrt(M) (detached:
+    # a constant offset, as before)
+    eps = FEATURE_EPS * m**-0.5 * jnp.exp(top - n)
+    phi = jnp.exp(wx - shift[..., None]) + eps[..., None]
     return core.heads_last(phi), core.heads_last(n)
 
 
