@@ -310,7 +310,6 @@ def _causal_chunked(
     if mass is None:
         mass = jnp.zeros(phi_k.shape[:3], _f32)  # carried, never read
     b, t, h, m = phi_q.shape
-    dv = v.shape[-1]
     c = min(chunk_size, t)
     n = -(-t // c)
     pad = n * c - t
@@ -328,17 +327,72 @@ def _causal_chunked(
         x = jnp.swapaxes(x, 1, 2)
         return jnp.moveaxis(x.reshape(b, h, n, c, *x.shape[3:]), 2, 0)
 
-    # Cumulative log-decay inside each chunk: G_t = sum_{l <= t} log g_l.
-    g = jnp.cumsum(chunks(log_decay), axis=-1)  # [n, B, H, c]
+    xs = (phi_q, phi_k, _append_ones(v), log_decay, ns, mass)  # padded keys: phi_k = 0
+    return _chunk_scan(lambda x: x, tuple(map(chunks, xs)), t, eps, initial_state, den_floor)
+
+
+def _causal_fused(fmap, params, q, k, v, mask, chunk_size, den_floor, config):
+    """Causal `linear_attention` of a token-wise `FeatureMap` with its features computed
+    chunk by chunk inside the scan, so the forward pass never holds the ``[B, T, H, M]``
+    features of the whole sequence (one chunk's at a time, in cache). Equal to
+    ``linear_attention(fmap.query(q), fmap.key(k).phi, v, causal=True, ...)`` to rounding
+    (tested for every token-wise map); ``[B, T, H, Dv]`` float32."""
+    b, t = q.shape[:2]
+    c = min(chunk_size, t)
+    n = -(-t // c)
+    pad = n * c - t
+    keep = key_mask(mask, t, b)
+    if pad:
+        # Padded tokens repeat the last one (finite features whatever the map) and are
+        # masked out as keys; their queries are dropped.
+        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+        q, k = (jnp.pad(x, widths, mode="edge") for x in (q, k))
+        v, keep = jnp.pad(v, widths), jnp.pad(keep, widths[:2])
+
+    def chunks(x):  # [B, n*c, ...] -> [n, B, c, ...] (token-major, as the feature map takes it)
+        return jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)
+
+    def prepare(x):
+        qc, kc, vc, keepc = x
+        keys = fmap.key(kc, params, **config)
+        if keys.log_decay is not None and keys.log_scale is not None:
+            raise ValueError("linear_attention: pass log_decay or key_log_scale, not both")
+        pq = fmap.query(qc, params, **config).astype(_f32)
+        pk = _apply_key_mask(keys.phi.astype(_f32), keepc)
+        pq, pk, mass = _split_mass(pq, pk, den_floor)
+        zeros = jnp.zeros(pk.shape[:3], _f32)
+        ns = _masked_log_scale(keys.log_scale, keepc, pk.shape[:3])
+        ld = zeros if keys.log_decay is None else keys.log_decay.astype(_f32)
+        mass = zeros if mass is None else mass
+        parts = (pq, pk, _append_ones(vc.astype(_f32)), ld, ns, mass)
+        return tuple(jnp.swapaxes(p, 1, 2) for p in parts)  # heads first
+
+    xs = tuple(map(chunks, (q, k, v, keep)))
+    return _chunk_scan(prepare, xs, t, DENOMINATOR_EPS, None, den_floor)[0]
+
+
+def _chunk_scan(prepare, xs, t, eps, initial_state, den_floor):
+    """The chunked causal recurrence over `xs` (leading axis: the n chunks of length c).
+
+    ``prepare(x)`` maps one chunk of `xs` to its heads-first ``(pq [B, H, c, M],
+    pk [B, H, c, M], [v | 1] [B, H, c, Dv + 1], log_decay, ns, mass [B, H, c])``, the keys
+    already masked; `t` is the unpadded length. Returns ``(out [B, t, H, Dv],
+    RecurrentState)`` as `_causal_chunked`.
+    """
+    shapes = jax.eval_shape(prepare, jax.tree.map(lambda x: x[0], xs))
+    b, h, c, m = shapes[0].shape
+    dv = shapes[2].shape[-1] - 1
     tril = jnp.tril(jnp.ones((c, c), bool))
 
-    def step(carry, xs):
+    def step(carry, x):
         # State before this chunk, kept relative to the running key max mp:
         # s = sum_j exp(n_j - mp) phi(k_j) v_j^T  [B, H, M, Dv], z likewise [B, H, M],
         # carried as one sz = [s | z] [B, H, M, Dv + 1] (the values as [v | 1]), so that
         # each product gives a numerator and its denominator together.
         sz, zm, mp = carry
-        pq, pk, vc, gc, nc, mc = xs  # heads first; vc: [v | 1]
+        pq, pk, vc, ld, nc, mc = prepare(x)  # heads first; vc: [v | 1]
+        # Cumulative log-decay inside the chunk: G_t = sum_{l <= t} log g_l.
+        gc = jnp.cumsum(ld, axis=-1)
         # Running max of the key log-scales up to each position (detached; it cancels).
         cm = lax.stop_gradient(jnp.maximum(mp[..., None], lax.cummax(nc, axis=2)))  # [B, H, c]
         # Intra-chunk weights exp(G_i - G_j + n_j - cm_i) for j <= i (all <= 1).
@@ -372,11 +426,10 @@ def _causal_chunked(
         z0, zm0 = _split_last(initial_state.z)
     else:
         (s0, z0, c0), zm0 = initial_state, jnp.zeros((b, h), _f32)
-    v1 = _append_ones(v)  # padded keys: phi_k = 0
-    xs = (chunks(phi_q), chunks(phi_k), chunks(v1), g, chunks(ns), chunks(mass))
     sz0 = jnp.concatenate([s0, z0[..., None]], axis=-1)
     (sz, zm, c_last), out = lax.scan(step, (sz0, zm0, c0), xs)  # out [n, B, H, c, Dv]
     s, z = _split_last(sz)
+    n = out.shape[0]
     out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, dv).swapaxes(1, 2)
     if den_floor:
         s = jnp.concatenate([s, jnp.zeros_like(s[..., :1, :])], axis=-2)
@@ -580,6 +633,10 @@ class FeatureMap:
       floor_fn: ``(**config) -> float``, the relative denominator floor gamma of this map
         (`den_floor`; when > 0 the features carry the key-mass channel, `mass_channel`),
         or None (no floor). Every caller of the core passes it on.
+      token_wise: the features of each token depend on that token alone (not on the
+        rest of the sequence), so the causal path may compute them chunk by chunk inside
+        its scan (`attend_features`), never holding the whole sequence's features in the
+        forward pass.
       config: config values (the mechanism's bound config); each function receives the
         keys it declares as keyword-only parameters.
     """
@@ -588,6 +645,7 @@ class FeatureMap:
     key_fn: Callable[..., KeyFeatures]
     draw_fn: Callable[..., Any] | None = None
     floor_fn: Callable[..., float] | None = None
+    token_wise: bool = False
     config: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     def bind(self, **config) -> FeatureMap:
@@ -634,6 +692,9 @@ def attend_features(
 ):
     """A feature-map mechanism's attention from its `FeatureMap` (inputs already checked)."""
     params = fmap.resolve(params, rng, deterministic=deterministic, **config)
+    if causal and fmap.token_wise and not quadratic:
+        floor = fmap.den_floor(**config)
+        return _causal_fused(fmap, params, q, k, v, mask, chunk_size, floor, config).astype(q.dtype)
     keys = fmap.key(k, params, **config)
     return attend(
         fmap.query(q, params, **config),

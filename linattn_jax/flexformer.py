@@ -374,7 +374,7 @@ def _feature_map(variant):
     def floor(*, den_floor=DEN_FLOOR):
         return den_floor
 
-    return core.FeatureMap(query_fn=query, key_fn=key, floor_fn=floor)
+    return core.FeatureMap(query_fn=query, key_fn=key, floor_fn=floor, token_wise=True)
 
 
 FEATURE_MAPS = {"flexformer_s": _feature_map("s"), "flexformer_n": _feature_map("n")}

@@ -34,7 +34,9 @@ def feature_map(x, params):
 
 
 FEATURE_MAP = core.FeatureMap(
-    query_fn=feature_map, key_fn=lambda k, params: core.KeyFeatures(feature_map(k, params))
+    query_fn=feature_map,
+    key_fn=lambda k, params: core.KeyFeatures(feature_map(k, params)),
+    token_wise=True,
 )
 
 

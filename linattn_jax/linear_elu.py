@@ -22,7 +22,9 @@ def feature_map(x, params=None):
 
 
 FEATURE_MAP = core.FeatureMap(
-    query_fn=feature_map, key_fn=lambda k, params: core.KeyFeatures(feature_map(k))
+    query_fn=feature_map,
+    key_fn=lambda k, params: core.KeyFeatures(feature_map(k)),
+    token_wise=True,
 )
 
 

@@ -145,7 +145,7 @@ def _draw(params, rng):
 
 
 #: Queries ``phi``; keys ``(phi, n)`` with n the per-token log-scale (see `feature_map`).
-FEATURE_MAP = core.FeatureMap(query_fn=_query, key_fn=_key, draw_fn=_draw)
+FEATURE_MAP = core.FeatureMap(query_fn=_query, key_fn=_key, draw_fn=_draw, token_wise=True)
 
 
 def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, quadratic):

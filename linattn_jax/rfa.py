@@ -69,7 +69,7 @@ def _draw(params, rng):
     return {**params, "features": jax.random.normal(rng, params["features"].shape, jnp.float32)}
 
 
-FEATURE_MAP = core.FeatureMap(query_fn=feature_map, key_fn=_key, draw_fn=_draw)
+FEATURE_MAP = core.FeatureMap(query_fn=feature_map, key_fn=_key, draw_fn=_draw, token_wise=True)
 
 
 def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate, quadratic):

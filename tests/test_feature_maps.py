@@ -105,3 +105,55 @@ def test_recurrent_step_stable_for_huge_key_scales():
         want = w @ v[0, : i + 1, 0] / w.sum()
         np.testing.assert_allclose(np.asarray(out[0, 0, 0]), want, rtol=1e-4, atol=1e-6)
     assert all(np.all(np.isfinite(np.asarray(x))) for x in state)
+
+
+@pytest.mark.parametrize(("name", "config"), _CASES, ids=str)
+def test_causal_features_in_the_scan_equal_the_whole_sequence_features(name, config):
+    """A token-wise map's causal path computes its features chunk by chunk inside the scan;
+    it equals the core on the whole sequence's features (forward and gradients, params
+    included), with a ragged last chunk and masked keys."""
+    import dataclasses
+
+    m = mech(name, **config)
+    fm = m.feature_map
+    assert fm.token_wise
+    params = init(m)
+    q, k, v = qkv(seed=4, tq=11, tk=11)
+    mask = jnp.arange(11)[None, :] < jnp.array([[11], [6]])
+    whole = dataclasses.replace(fm, token_wise=False)
+
+    def run(f):
+        def loss(q, k, v, p):
+            out = core.attend_features(
+                f, q, k, v, p, mask=mask, causal=True, deterministic=True, chunk_size=4
+            )
+            return jnp.sum(jnp.sin(out)), out
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, params)
+
+    (g_in, out_in), (g_whole, out_whole) = run(fm.bind(**config)), run(whole.bind(**config))
+    np.testing.assert_allclose(out_in, out_whole, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_in), jax.tree.leaves(g_whole), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_causal_forward_holds_one_chunk_of_features():
+    """The point of computing them in the scan: XLA's temp memory of the causal forward
+    stays below the size of one sequence's query features (it holds one chunk's)."""
+    import dataclasses
+
+    m = la.get("performer").bind(num_features=256)
+    fm = m.feature_map
+    params = m.init(jax.random.key(0), num_heads=2, head_dim=16)
+    q, k, v = qkv(b=1, tq=1024, tk=1024, h=2, d=16, dv=16)
+
+    def temp_bytes(f):
+        def fn(q, k, v):
+            return core.attend_features(f, q, k, v, params, causal=True, deterministic=True)
+
+        return jax.jit(fn).lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+
+    features = 1024 * 2 * 256 * 4  # one [B, T, H, M] float32 array
+    fused, whole = temp_bytes(fm), temp_bytes(dataclasses.replace(fm, token_wise=False))
+    print("causal forward temp bytes: in the scan", fused, "whole sequence", whole)
+    assert fused < features < whole

@@ -35,7 +35,9 @@ def test_shape_dtype_and_jit(name, dtype):
         jitted.astype(jnp.float32), out.astype(jnp.float32), rtol=1e-2, atol=1e-2
     )
     if dtype == jnp.float32:
-        np.testing.assert_allclose(jitted, out, rtol=1e-4, atol=1e-5)
+        # relative to the output's norm: an iterative inverse (soft, nystromformer) carries
+        # eager-vs-jit rounding of ~1e-5 into outputs near zero, elementwise ~1% of them
+        assert rel_err(jitted, out) < 1e-5
 
 
 @pytest.mark.parametrize("name", NAMES)
