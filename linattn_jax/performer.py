@@ -91,10 +91,9 @@ def feature_map(x, features, *, stabilize: bool = True):
 
     Returns ``(phi, n)`` with the estimator's features ``exp(n) * phi``:
     ``phi = M^(-1/2) (exp(W x^ - |x^|^2 / 2 - n) + eps exp(top - n))`` with ``top`` the
-    token's largest exponent (so eps is relative to its largest feature, a detached
-    constant) and ``n`` the detached per-token max of the exponent, top (0 when
-    ``stabilize=False``, which gives the raw estimator features whose dot products
-    estimate ``exp(q.k / sqrt(d))``). For
+    token's largest exponent (detached), so eps is relative to its largest feature, and
+    ``n = top`` (0 when ``stabilize=False``, which gives the raw estimator features whose
+    dot products estimate ``exp(q.k / sqrt(d))``). For
     queries n cancels in the attention ratio; for keys it is passed to the core as
     ``key_log_scale``, which stabilises it over the visible keys (a running max
     when causal, so no query depends on future keys).
