@@ -1,5 +1,7 @@
 """The feature-map protocol (SPEC section 7): ``la.get(name).feature_map``."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,9 +113,8 @@ def test_recurrent_step_stable_for_huge_key_scales():
 def test_causal_features_in_the_scan_equal_the_whole_sequence_features(name, config):
     """A token-wise map's causal path computes its features chunk by chunk inside the scan;
     it equals the core on the whole sequence's features (forward and gradients, params
-    included), with a ragged last chunk and masked keys."""
-    import dataclasses
-
+    included), with a ragged last chunk and masked keys; the flexformers carry their
+    denominator floor's mass channel, gated rfa its log decay."""
     m = mech(name, **config)
     fm = m.feature_map
     assert fm.token_wise
@@ -140,8 +141,6 @@ def test_causal_features_in_the_scan_equal_the_whole_sequence_features(name, con
 def test_causal_forward_holds_one_chunk_of_features():
     """The point of computing them in the scan: XLA's temp memory of the causal forward
     stays below the size of one sequence's query features (it holds one chunk's)."""
-    import dataclasses
-
     m = la.get("performer").bind(num_features=256)
     fm = m.feature_map
     params = m.init(jax.random.key(0), num_heads=2, head_dim=16)
