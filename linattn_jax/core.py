@@ -165,6 +165,19 @@ def key_mask(mask, tk: int, batch: int):
     return mask
 
 
+def _check_one_key_weighting(log_decay, key_log_scale):
+    if log_decay is not None and key_log_scale is not None:
+        raise ValueError("linear_attention: pass log_decay or key_log_scale, not both")
+
+
+def _chunking(t: int, chunk_size: int):
+    """``(c, n, pad)``: the chunk length (at most `t`), the number of chunks and the padding
+    that makes ``n * c`` tokens."""
+    c = min(chunk_size, t)
+    n = -(-t // c)
+    return c, n, n * c - t
+
+
 def _apply_key_mask(phi_k, mask):
     if mask is None:
         return phi_k
@@ -211,8 +224,7 @@ def linear_attention(
     phi_q, phi_k, v = phi_q.astype(_f32), phi_k.astype(_f32), v.astype(_f32)
     phi_k = _apply_key_mask(phi_k, mask)
     ns = _masked_log_scale(key_log_scale, mask, phi_k.shape[:3])
-    if log_decay is not None and key_log_scale is not None:
-        raise ValueError("linear_attention: pass log_decay or key_log_scale, not both")
+    _check_one_key_weighting(log_decay, key_log_scale)
     if not causal:
         if log_decay is not None:
             raise ValueError("linear_attention: log_decay needs causal=True")
@@ -310,9 +322,7 @@ def _causal_chunked(
     if mass is None:
         mass = jnp.zeros(phi_k.shape[:3], _f32)  # carried, never read
     b, t, h, m = phi_q.shape
-    c = min(chunk_size, t)
-    n = -(-t // c)
-    pad = n * c - t
+    c, n, pad = _chunking(t, chunk_size)
     if log_decay is None:
         log_decay = jnp.zeros((b, t, h), _f32)
     log_decay = log_decay.astype(_f32)
@@ -338,9 +348,7 @@ def _causal_fused(fmap, params, q, k, v, mask, chunk_size, den_floor, config):
     ``linear_attention(fmap.query(q), fmap.key(k).phi, v, causal=True, ...)`` to rounding
     (tested for every token-wise map); ``[B, T, H, Dv]`` float32."""
     b, t = q.shape[:2]
-    c = min(chunk_size, t)
-    n = -(-t // c)
-    pad = n * c - t
+    c, n, pad = _chunking(t, chunk_size)
     keep = key_mask(mask, t, b)
     if pad:
         # Padded tokens repeat the last one (finite features whatever the map) and are
@@ -355,8 +363,7 @@ def _causal_fused(fmap, params, q, k, v, mask, chunk_size, den_floor, config):
     def prepare(x):
         qc, kc, vc, keepc = x
         keys = fmap.key(kc, params, **config)
-        if keys.log_decay is not None and keys.log_scale is not None:
-            raise ValueError("linear_attention: pass log_decay or key_log_scale, not both")
+        _check_one_key_weighting(keys.log_decay, keys.log_scale)
         pq = fmap.query(qc, params, **config).astype(_f32)
         pk = _apply_key_mask(keys.phi.astype(_f32), keepc)
         pq, pk, mass = _split_mass(pq, pk, den_floor)
