@@ -215,3 +215,25 @@ def test_ra_peer_is_the_official_estimator_with_the_same_draws():
     np.testing.assert_allclose(peer, want, rtol=1e-4, atol=1e-5)
     drawn = peers.ra_peer(q, k, v, jax.random.key(0))
     assert drawn.shape == v.shape and bool(jnp.all(jnp.isfinite(drawn)))
+
+
+# ----------------------------------------------------------------------------- the bench
+
+
+def test_peer_points_are_skipped_as_the_mechanisms_own():
+    """Over the memory budget a peer point is compiled (its memory reported) but not run, and
+    the larger T of its series are skipped with the first reason; each peer is timed only in
+    the modes it has (ra_peer: non-causal)."""
+    from train.bench import scaling
+
+    cfg = scaling.ScalingConfig(
+        seq_lens=(16, 32), modes=("noncausal", "causal"), passes=("fwd",), memory_budget_gib=1e-9
+    )
+    points = peers.peer_points("ra", cfg, series=scaling.Series(cfg, True))
+    assert [(p["mechanism"], p["seq_len"], p["mode"]) for p in points] == [
+        ("ra_peer", 16, "noncausal"),
+        ("ra_peer", 32, "noncausal"),
+    ]
+    assert all(p["status"] == "skipped" and p["memory"]["total"] > 0 for p in points)
+    assert points[1]["note"].startswith("memory at T=16:")
+    assert peers.peer_points("softmax", cfg, series=scaling.Series(cfg, True)) == []
