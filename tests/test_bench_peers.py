@@ -136,16 +136,42 @@ def _official_landmarks(x, c):
     return np.stack([x[e - s : e].mean(0) for s, e in zip(sizes, ends, strict=True)])
 
 
-def _lara_reference(q, k, v, eps, c, alpha_coeff=1.0):
+def _pooled_landmarks(x, image, s, params):
+    """``[T, d] -> [s * s, d]``: each cell the mean of its rectangle of the row-major image
+    (torch's adaptive bins: ``[floor(i n / s), ceil((i + 1) n / s))``), then LayerNorm of
+    the Linear map (weight ``[out, in]``)."""
+    img = x.reshape(*image, -1)
+    lo = [[(i * n) // s for i in range(s)] for n in image]
+    hi = [[-((-(i + 1) * n) // s) for i in range(s)] for n in image]
+    cells = np.stack(
+        [
+            img[lo[0][i] : hi[0][i], lo[1][j] : hi[1][j]].reshape(-1, x.shape[1]).mean(0)
+            for i in range(s)
+            for j in range(s)
+        ]
+    )
+    w, bias, scale, shift = (np.asarray(a, np.float64) for a in params)
+    y = cells @ w.T + bias
+    y = (y - y.mean(1, keepdims=True)) / np.sqrt(y.var(1, keepdims=True) + 1e-5)
+    return y * scale + shift
+
+
+def _lara_reference(q, k, v, eps, c, alpha_coeff=1.0, landmarks=None):
     """The official mis-opt LARA estimator, one (batch, head) at a time in float64, with
-    explicit densities: ``log xi(x, w) = w . x / sqrt(d) - |x|^2 / (2 sqrt(d))``."""
+    explicit densities: ``log xi(x, w) = w . x / sqrt(d) - |x|^2 / (2 sqrt(d))``.
+    `landmarks(x, side)`: the landmarks of one head's ``[T, d]`` (default: 1-D segments)."""
     q, k, v, eps = (np.asarray(a, np.float64) for a in (q, k, v, eps))
     b, t, h, d = q.shape
+    if landmarks is None:
+
+        def landmarks(x, side):
+            return _official_landmarks(x, c)
+
     out = np.zeros_like(v)
     for bi in range(b):
         for hi in range(h):
             qh, kh, vh = q[bi, :, hi], k[bi, :, hi], v[bi, :, hi]
-            q_bar, k_bar = _official_landmarks(qh, c), _official_landmarks(kh, c)
+            q_bar, k_bar = landmarks(qh, "q"), landmarks(kh, "k")
             mu = q_bar + k_bar
             w = mu + eps[bi, hi]  # [C, d]: one sample per proposal
 
@@ -174,6 +200,25 @@ def test_lara_peer_is_the_official_estimator_with_the_same_noise(t):
     np.testing.assert_allclose(peer, _lara_reference(q, k, v, eps, c), rtol=1e-4, atol=1e-5)
 
 
+def test_lara_peer_on_an_image_is_the_official_pool_estimator():
+    """The default proposal on an image: adaptive average pooling (here 3 x 5 to 2 x 2, whose
+    bins overlap) and the Linear + LayerNorm network of each side, shared by the heads."""
+    b, h, d, image, c = 2, 2, 8, (3, 5), 4
+    q, k, v = _qkv(b, 15, h, d, scale=0.7)
+    params = {s: peers.pool_init(jax.random.key(i + 4), d) for i, s in enumerate("qk")}
+    params = {s: (w * 20.0, b + 0.1, g * 1.5, sh - 0.2) for s, (w, b, g, sh) in params.items()}
+    eps = jax.random.normal(jax.random.key(1), (b, h, c, d))
+    peer = peers.lara_peer(q, k, v, None, num_landmarks=c, eps=eps, image=image, pool_params=params)
+
+    def landmarks(x, side):
+        return _pooled_landmarks(x, image, 2, params[side])
+
+    want = _lara_reference(q, k, v, eps, c, landmarks=landmarks)
+    np.testing.assert_allclose(peer, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="image"):
+        peers.lara_peer(q, k, v, None, num_landmarks=c, eps=eps, image=(4, 4))
+
+
 def test_lara_peer_is_our_default_lara_with_the_same_noise():
     """The official default (``"pool"``, on a sequence: segment means) is our default
     ``proposal="mean"`` with ``noise_scale=None`` (the peer adds unit noise before the
@@ -184,6 +229,31 @@ def test_lara_peer_is_our_default_lara_with_the_same_noise():
     ours = randomized.lara_attention(q, k, v, {}, rng, num_landmarks=c)
     eps = randomized.lara_noise(rng, b, c, 1, h, d)[:, :, 0]  # [B, C, H, d]
     peer = peers.lara_peer(q, k, v, None, num_landmarks=c, eps=jnp.swapaxes(eps, 1, 2))
+    np.testing.assert_allclose(peer, ours, rtol=2e-5, atol=2e-5)
+
+
+def test_lara_peer_on_an_image_is_our_pool_lara():
+    """On a 4 x 4 image pooled to 2 x 2: our ``proposal="pool"``, ``grid=(4, 4)``, with the
+    peer's shared network copied to every head, and the same noise."""
+    b, h, d, c = 2, 3, 8, 4
+    q, k, v = _qkv(b, 16, h, d)
+    rng = jax.random.key(0)
+    params = {s: peers.pool_init(jax.random.key(i + 4), d) for i, s in enumerate("qk")}
+    ours_params = {}
+    for s, (w, bias, scale, shift) in params.items():
+        for name, x in zip(
+            (f"proj_{s}_w", f"proj_{s}_b", f"ln_{s}_scale", f"ln_{s}_bias"),
+            (w.T, bias, scale, shift),
+            strict=True,
+        ):
+            ours_params[name] = jnp.broadcast_to(x, (h, *x.shape))
+    ours = randomized.lara_attention(
+        q, k, v, ours_params, rng, num_landmarks=c, proposal="pool", grid=(4, 4)
+    )
+    eps = jnp.swapaxes(randomized.lara_noise(rng, b, c, 1, h, d)[:, :, 0], 1, 2)
+    peer = peers.lara_peer(
+        q, k, v, None, num_landmarks=c, eps=eps, image=(4, 4), pool_params=params
+    )
     np.testing.assert_allclose(peer, ours, rtol=2e-5, atol=2e-5)
 
 

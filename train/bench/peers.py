@@ -58,8 +58,52 @@ def _segment_means(x, c):
     return jnp.concatenate([first, last], axis=2)
 
 
-def lara_peer(q, k, v, rng, *, num_landmarks: int = 64, alpha_coeff: float = 1.0, eps=None):
-    """The official LARA on 1-D sequences: ``q, k, v [B, T, H, D]`` -> ``[B, T, H, D]``.
+def _adaptive_avg_pool(x, image, s):
+    """torch ``AdaptiveAvgPool2d(s)`` of the row-major ``image = (H, W)`` tokens of ``x [B,
+    H, T, D]`` then ``flatten(2).transpose``: ``[B, H, s * s, D]``, cell i of an axis of size
+    n averaging ``[floor(i n / s), ceil((i + 1) n / s))`` (bins overlap when s does not
+    divide n)."""
+    b, h, _, d = x.shape
+    img = x.reshape(b, h, image[0], image[1], d)
+
+    def bins(n):
+        return [(i * n // s, -(-(i + 1) * n // s)) for i in range(s)]
+
+    rows = [img[:, :, r0:r1].mean(2) for r0, r1 in bins(image[0])]  # [B, H, W, D] each
+    return jnp.stack([r[:, :, c0:c1].mean(2) for r in rows for c0, c1 in bins(image[1])], 2)
+
+
+def pool_init(key, d: int):
+    """The official pool network's init for one side: ``Linear(d, d)`` (weight ``[out, in]``
+    drawn ``N(0, 0.02^2)``, the timm ``trunc_normal_`` whose +-2 bounds are 100 std away;
+    bias 0) and ``LayerNorm(d)`` (scale 1, shift 0)."""
+    return (0.02 * jax.random.normal(key, (d, d)), jnp.zeros(d), jnp.ones(d), jnp.zeros(d))
+
+
+def _pool_net(x, params):
+    """``LayerNorm(Linear(x))`` over the last axis (torch's LayerNorm: biased variance, eps
+    1e-5), one network shared by the heads (the official ``"light"`` module)."""
+    w, bias, scale, shift = params
+    bias, scale, shift = (p[None, None, None] for p in (bias, scale, shift))  # [1, 1, 1, d]
+    y = jnp.einsum("bhcd,ed->bhce", x, w) + bias
+    mean = y.mean(-1, keepdims=True)
+    var = jnp.square(y - mean).mean(-1, keepdims=True)
+    return (y - mean) / jnp.sqrt(var + 1e-5) * scale + shift
+
+
+def lara_peer(
+    q,
+    k,
+    v,
+    rng,
+    *,
+    num_landmarks: int = 64,
+    alpha_coeff: float = 1.0,
+    eps=None,
+    image: tuple[int, int] | None = None,
+    pool_params=None,
+):
+    """The official LARA: ``q, k, v [B, T, H, D]`` -> ``[B, T, H, D]``.
 
     Source: HKUNLP ``efficient-attention``, ``efficient_attention/lara.py``, ``LinearRA``
     with its defaults (``proposal_gen="pool"``, ``mis_type="mis-opt"``, ``alpha_coeff=1``,
@@ -69,7 +113,10 @@ def lara_peer(q, k, v, rng, *, num_landmarks: int = 64, alpha_coeff: float = 1.0
     network only for ``"adaptive-1d"``; for ``"pool"`` (whose AdaptiveAvgPool2d + Linear +
     LayerNorm the module builds but uses only in ``_proposal_gen_2d``, on images) the
     landmarks are the segment means of the unscaled q, k (`_segment_means`). So the official
-    default is our ``proposal="mean"`` on sequences, which is what ``scaling`` times.
+    default is our ``proposal="mean"`` on sequences, which is what ``scaling`` times. On an
+    image (`image`, the ``"light"`` pool module): ``q~ = LayerNorm(Linear(AdaptiveAvgPool2d(
+    sqrt(C))(q)))`` per head, the network shared by the heads, one per side (`pool_params`);
+    our ``proposal="pool"`` with ``grid=image``, ``mixed=False`` (theirs: no ``-mixed``).
 
     Structure followed: heads-first ``[B, H, T, D]`` (the official head split, and back by
     its merge); landmarks q~, k~ by reshape-and-mean; ``mu = q~ + k~`` and the sample
@@ -87,11 +134,24 @@ def lara_peer(q, k, v, rng, *, num_landmarks: int = 64, alpha_coeff: float = 1.0
     Args:
       rng: key of the unit noise (``jax.random.normal`` of mu's shape).
       eps: optional unit noise ``[B, H, C, D]`` in place of the draw from `rng`.
+      image: None (a sequence) or ``(H, W)`` with ``H W = T``: the tokens are that image in
+        row-major order, pooled to ``isqrt(num_landmarks)`` squared landmarks.
+      pool_params: with `image`, ``{"q": p, "k": p}`` with each p a `pool_init` tuple
+        ``(weight [out, in], bias, ln_scale, ln_shift)``; None: `pool_init` of keys 0 and 1.
     """
     q, k, v = _heads_first(q, k, v)
     b, h, n, d = q.shape
     scale = d**-0.5
-    q_bar, k_bar = _segment_means(q, num_landmarks), _segment_means(k, num_landmarks)
+    if image is None:
+        q_bar, k_bar = _segment_means(q, num_landmarks), _segment_means(k, num_landmarks)
+    else:
+        if image[0] * image[1] != n:
+            raise ValueError(f"lara_peer: image={image} must have H * W = T = {n}")
+        if pool_params is None:
+            pool_params = {s: pool_init(jax.random.key(i), d) for i, s in enumerate("qk")}
+        side = int(num_landmarks**0.5)
+        q_bar = _pool_net(_adaptive_avg_pool(q, image, side), pool_params["q"])
+        k_bar = _pool_net(_adaptive_avg_pool(k, image, side), pool_params["k"])
     mu = q_bar + k_bar
     w = mu + (jax.random.normal(rng, mu.shape, mu.dtype) if eps is None else eps)
     log_proj_q = _prm(q, w)  # [B, H, C, T]
@@ -458,6 +518,7 @@ __all__ = [
     "peer_points",
     "peer_table",
     "performer_peer",
+    "pool_init",
     "orthogonal_projection",
     "projection_from_key",
     "query_seed_key",
