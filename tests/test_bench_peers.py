@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linattn_jax import randomized
+from linattn_jax import lara
 from train.bench import peers
 
 
@@ -18,8 +18,8 @@ def test_lara_peer_is_our_default_lara_with_the_same_noise():
         for i in range(3)
     )
     rng = jax.random.key(0)
-    ours = randomized.lara_attention(q, k, v, {}, rng, num_landmarks=c)
-    eps = randomized.lara_noise(rng, b, c, 1, h, d)[:, :, 0]  # [B, C, H, d]
+    ours = lara.lara_attention(q, k, v, {}, rng, num_landmarks=c)
+    eps = lara.lara_noise(rng, b, c, 1, h, d)[:, :, 0]  # [B, C, H, d]
     peer = peers.lara_peer(q, k, v, None, num_landmarks=c, eps=jnp.swapaxes(eps, 1, 2))
     np.testing.assert_allclose(peer, ours, rtol=2e-5, atol=2e-5)
     # T % C != 0: the official split runs and gives a finite output of the same shape.
