@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from linattn_jax import randomized
+from linattn_jax import lara
 from train.bench import peers
 
 
@@ -226,8 +226,8 @@ def test_lara_peer_is_our_default_lara_with_the_same_noise():
     b, t, h, d, c = 2, 24, 3, 8, 4
     q, k, v = _qkv(b, t, h, d)
     rng = jax.random.key(0)
-    ours = randomized.lara_attention(q, k, v, {}, rng, num_landmarks=c)
-    eps = randomized.lara_noise(rng, b, c, 1, h, d)[:, :, 0]  # [B, C, H, d]
+    ours = lara.lara_attention(q, k, v, {}, rng, num_landmarks=c)
+    eps = lara.lara_noise(rng, b, c, 1, h, d)[:, :, 0]  # [B, C, H, d]
     peer = peers.lara_peer(q, k, v, None, num_landmarks=c, eps=jnp.swapaxes(eps, 1, 2))
     np.testing.assert_allclose(peer, ours, rtol=2e-5, atol=2e-5)
 
@@ -247,10 +247,10 @@ def test_lara_peer_on_an_image_is_our_pool_lara():
             strict=True,
         ):
             ours_params[name] = jnp.broadcast_to(x, (h, *x.shape))
-    ours = randomized.lara_attention(
+    ours = lara.lara_attention(
         q, k, v, ours_params, rng, num_landmarks=c, proposal="pool", grid=(4, 4)
     )
-    eps = jnp.swapaxes(randomized.lara_noise(rng, b, c, 1, h, d)[:, :, 0], 1, 2)
+    eps = jnp.swapaxes(lara.lara_noise(rng, b, c, 1, h, d)[:, :, 0], 1, 2)
     peer = peers.lara_peer(
         q, k, v, None, num_landmarks=c, eps=eps, image=(4, 4), pool_params=params
     )
