@@ -18,7 +18,8 @@ config is refused (exit 2, one line naming the keys that differ) unless ``--rest
 deletes it and starts over. Keys that may differ on resume (``train.guard.RESUMABLE``):
 log_every, eval_every, checkpoint_every, max_to_keep, the evaluation and output switches,
 data locations, the mesh and the multi-host settings; ``--steps`` may grow when the
-schedule is rsqrt or constant (its learning rate does not depend on the total).
+learning rates of the steps already run stay the same (rsqrt and constant schedules,
+cosine within its warmup).
 
 The summary ends with softmax's accuracy on the same budget: ``--compare softmax`` trains
 it (in ``<workdir>_softmax``), otherwise the stored `REFERENCES` entry is printed when

@@ -18,6 +18,7 @@ directory and renames it on completion).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import shutil
@@ -75,18 +76,40 @@ def _one_line(error: Exception) -> str:
     return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
 
 
+class _TolerantLoop(asyncio.SelectorEventLoop):
+    """An event loop that ignores callbacks scheduled after it closed: orbax closes its
+    restore loop when the first array fails, and the TensorStore reads still in flight then
+    schedule their completion on it (each printing ``Event loop is closed``)."""
+
+    def call_soon_threadsafe(self, callback, *args, context=None):
+        if self.is_closed():
+            return None
+        return super().call_soon_threadsafe(callback, *args, context=context)
+
+
+class _TolerantPolicy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self):
+        return _TolerantLoop()
+
+
 @contextlib.contextmanager
-def _quiet_orbax():
+def _quiet_orbax(restoring: bool = False):
     """No absl (orbax, TensorStore) log records below CRITICAL while listing or restoring
-    checkpoints: one that does not read is reported once, in one line, by the caller
-    (`Checkpointer.restore_latest`), without the library's tracebacks and repeats."""
+    checkpoints and, `restoring`, event loops that ignore the reads a failed restore leaves
+    in flight (`_TolerantLoop`): a checkpoint that does not read is reported once, in one
+    line, by the caller (`Checkpointer.restore_latest`), without the library's tracebacks."""
     absl_log = logging.getLogger("absl")
     level = absl_log.level
     absl_log.setLevel(max(level, logging.CRITICAL))
+    policy = asyncio.get_event_loop_policy() if restoring else None
+    if restoring:
+        asyncio.set_event_loop_policy(_TolerantPolicy())
     try:
         yield
     finally:
         absl_log.setLevel(level)
+        if restoring:
+            asyncio.set_event_loop_policy(policy)
 
 
 def _layout(tree) -> dict[str, tuple]:
@@ -129,7 +152,10 @@ def _orphaned_read_error(error: BaseException | None) -> bool:
     ``sys.unraisablehook``, the loop they cannot reach and their own read errors."""
     if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
         return True
-    return type(error) is Exception and str(error).startswith("Encountered error while reading")
+    text = str(error)
+    return isinstance(error, Exception) and (
+        text.startswith("Encountered error while reading") or "tensorstore_spec" in text
+    )
 
 
 class _OrphanedReadFilter(logging.Filter):
@@ -304,7 +330,7 @@ class Checkpointer:
         failed = []
         for step in sorted(manager.all_steps(), reverse=True):
             try:
-                with _quiet_orbax():
+                with _quiet_orbax(restoring=True):
                     return self._restore(manager, step, abstract_state), failed
             except Exception as error:  # any failure to read: try the older one
                 _silence_orphaned_reads()

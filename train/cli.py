@@ -35,7 +35,8 @@ RESTART_HELP = (
     "delete this workdir's run (checkpoints, metrics, summary) and start from step 0. "
     "Without it a rerun resumes the workdir's run, and one of another config is refused; "
     "only intervals, evaluation, logging and placement settings may differ "
-    "(train.guard.RESUMABLE), and --steps may grow with an rsqrt or constant schedule"
+    "(train.guard.RESUMABLE), and --steps may grow when the learning rates of the steps "
+    "already run stay the same (rsqrt, constant; cosine within its warmup)"
 )
 
 

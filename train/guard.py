@@ -11,8 +11,9 @@ point on the loop (``python -m train``, ``train.vision``, ``train.lm``, ``train.
 - The workdir's ``config.json`` (written when a run starts) is its identity. A rerun whose
   config differs from it in any key but those of `RESUMABLE` is refused with a
   `WorkdirError` naming the keys that differ; nothing in the workdir is moved or changed.
-  ``num_train_steps`` may grow (extend a run) when the schedule does not depend on it
-  (``rsqrt``, ``constant``): the extended run is then the run of the new config.
+  ``num_train_steps`` may grow (extend a run) when the learning rates of the steps already
+  run stay the same (`same_learning_rates`: rsqrt and constant schedules, cosine within its
+  warmup): the extended run is then the run of the new config.
 - A finished run (``summary.json`` at ``num_train_steps``) is not trained or evaluated again:
   its stored summary comes back (``"rerun": True``) and nothing is appended.
 - ``restart=True`` deletes the run files of `RUN_FILES` first and starts from step 0.
@@ -71,8 +72,6 @@ RESUMABLE = frozenset(
     }
 )
 
-#: schedules whose learning rate at a step does not depend on ``num_train_steps``
-STEP_FREE_SCHEDULES = ("rsqrt", "constant")
 
 #: what a run writes in its workdir (``restart=True`` deletes these, nothing else)
 RUN_FILES = (
@@ -111,9 +110,7 @@ def check_config(config) -> None:
     import linattn_jax as la
 
     if config.get("attention") not in la.names():
-        raise ConfigError(
-            f"attention must be one of {la.names()}, got {config.get('attention')!r}"
-        )
+        raise ConfigError(f"attention must be one of {la.names()}, got {config.get('attention')!r}")
 
 
 def config_dict(config) -> dict[str, Any]:
@@ -148,17 +145,33 @@ def config_differences(stored: dict[str, Any], config) -> list[str]:
         if a == b or key in RESUMABLE:
             continue
         if key == "num_train_steps" and isinstance(a, int) and isinstance(b, int):
-            if b > a and config.get("schedule") in STEP_FREE_SCHEDULES:
+            if b > a and same_learning_rates(config, a):
                 continue
             why = (
                 "may only grow"
                 if b < a
-                else f"may grow only with schedule {' or '.join(STEP_FREE_SCHEDULES)}"
+                else f"would change the {config.get('schedule')} learning rate of steps run"
             )
             out.append(f"{key}: {a} -> {b} ({why})")
             continue
         out.append(f"{key}: {_short(a)} -> {_short(b)}")
     return out
+
+
+def same_learning_rates(config, old_steps: int) -> bool:
+    """Whether `config`'s schedule gives steps ``0 .. old_steps - 1`` the learning rates it
+    gave them with ``num_train_steps = old_steps``: always for rsqrt and constant, for cosine
+    while those steps are all in the warmup (its decay spans the total)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from train.trainer import learning_rate_schedule
+
+    old = config.copy_and_resolve_references()
+    old.num_train_steps = int(old_steps)
+    steps = jnp.arange(int(old_steps))
+    now, then = learning_rate_schedule(config)(steps), learning_rate_schedule(old)(steps)
+    return bool(np.array_equal(np.asarray(now), np.asarray(then)))
 
 
 def _read_json(path: Path) -> Any:
@@ -240,7 +253,6 @@ def os_errors(workdir: Path):
 __all__ = [
     "RESUMABLE",
     "RUN_FILES",
-    "STEP_FREE_SCHEDULES",
     "WAY_ON",
     "ConfigError",
     "WorkdirError",
@@ -250,4 +262,5 @@ __all__ = [
     "os_errors",
     "prepare_workdir",
     "restart_workdir",
+    "same_learning_rates",
 ]

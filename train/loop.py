@@ -300,7 +300,7 @@ def make_summary(config, workdir, trainer, run: RunState, final, counts, mem, t_
         "workdir": str(workdir),
     }
     previous = workdir / "summary.json"
-    if not run.last_train and previous.exists():
+    if not run.last_train and previous.is_file():
         # Nothing trained in this call (the run was complete): keep the speed and memory
         # that the training call measured.
         try:
