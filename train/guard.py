@@ -8,7 +8,7 @@ point on the loop (``python -m train``, ``train.vision``, ``train.lm``, ``train.
 - Non-positive ``num_train_steps``, ``log_every``, ``eval_every``, ``checkpoint_every``,
   ``max_to_keep``, ``batch_size`` or ``eval_batch_size``, an unknown ``attention``: a
   `ConfigError` before the workdir is touched (or created).
-- The workdir's ``config.json`` (written when a run starts) is its identity. A rerun whose
+- The workdir's ``config.json`` (written once its checkpoints restore) is its identity. A rerun whose
   config differs from it in any key but those of `RESUMABLE` is refused with a
   `WorkdirError` naming the keys that differ; nothing in the workdir is moved or changed.
   ``num_train_steps`` may grow (extend a run) when the learning rates of the steps already
@@ -20,7 +20,9 @@ point on the loop (``python -m train``, ``train.vision``, ``train.lm``, ``train.
 - An OS error on the way (the workdir is a file, read-only, a full disk) names the path
   (`os_errors`).
 
-Command-line entries print these errors as one line and exit 2 (`train.cli.run`).
+When the workdir has checkpoints but none restores, `train.checkpoint.Checkpointer` raises a
+`WorkdirError` too (nothing moved). Command-line entries print these errors as one line and
+exit 2 (`train.cli.run`); all but ``train.distill`` take ``--restart``.
 """
 
 from __future__ import annotations
