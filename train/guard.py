@@ -8,8 +8,8 @@ point on the loop (``python -m train``, ``train.vision``, ``train.lm``, ``train.
 - Non-positive ``num_train_steps``, ``log_every``, ``eval_every``, ``checkpoint_every``,
   ``max_to_keep``, ``batch_size`` or ``eval_batch_size``, an unknown ``attention``: a
   `ConfigError` before the workdir is touched (or created).
-- The workdir's ``config.json`` (written once its checkpoints restore) is its identity. A rerun whose
-  config differs from it in any key but those of `RESUMABLE` is refused with a
+- The workdir's ``config.json`` (written once its checkpoints restore) is its identity. A
+  rerun whose config differs from it in any key but those of `RESUMABLE` is refused with a
   `WorkdirError` naming the keys that differ; nothing in the workdir is moved or changed.
   ``num_train_steps`` may grow (extend a run) when the learning rates of the steps already
   run stay the same (`same_learning_rates`: rsqrt and constant schedules, cosine within its
