@@ -128,7 +128,10 @@ def _layout(tree) -> dict[str, tuple]:
 def _check_layout(stored, abstract_state) -> None:
     """Raises ValueError naming the first arrays where the checkpoint's tree (`stored`:
     orbax metadata) and the restore target differ in path, shape or dtype: a checkpoint of
-    another model is refused from its metadata, before any array is read."""
+    another model is refused from its metadata, before any array is read. No metadata (None):
+    nothing to compare, the restore itself decides."""
+    if getattr(stored, "item_metadata", stored) is None:
+        return
     have, want = _layout(stored), _layout(abstract_state)
     if have == want:
         return
