@@ -12,6 +12,15 @@ prints a summary. Examples::
 Any config field (``train/configs/default.py``) can be overridden with ``--set a.b=v`` or
 ``--config.a.b=v`` (repeatable; values are Python literals or strings).
 
+A rerun in the same workdir resumes its run (its ``config.json`` is the run's identity):
+a finished run prints its stored summary and trains and appends nothing; a run of another
+config is refused (exit 2, one line naming the keys that differ) unless ``--restart``
+deletes it and starts over. Keys that may differ on resume (``train.guard.RESUMABLE``):
+log_every, eval_every, checkpoint_every, max_to_keep, the evaluation and output switches,
+data locations, the mesh and the multi-host settings; ``--steps`` may grow when the
+learning rates of the steps already run stay the same (rsqrt and constant schedules,
+cosine within its warmup).
+
 The summary ends with softmax's accuracy on the same budget: ``--compare softmax`` trains
 it (in ``<workdir>_softmax``), otherwise the stored `REFERENCES` entry is printed when
 the run is the default budget of its task (no ``--set`` / ``--seed``), with the command
@@ -76,12 +85,14 @@ def main(argv=None) -> dict:
 
     loop.maybe_initialize_distributed(config)
     workdir = args.workdir or cli.default_workdir(config)
-    summary = loop.train_and_evaluate(config, workdir)
+    summary = loop.train_and_evaluate(config, workdir, restart=args.restart)
     other = None
     if args.compare:
         other_config = configs.set_attention(config.copy_and_resolve_references(), args.compare)
         configs.apply_overrides(other_config, overrides)
-        other = loop.train_and_evaluate(other_config, f"{workdir}_{args.compare}")
+        other = loop.train_and_evaluate(
+            other_config, f"{workdir}_{args.compare}", restart=args.restart
+        )
     import jax
 
     if jax.process_index() == 0:
@@ -117,10 +128,4 @@ def comparison_line(summary, other, args, overrides) -> str | None:
 
 
 if __name__ == "__main__":
-    from train.data import DatasetNotFoundError
-
-    try:
-        main()
-    except DatasetNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(cli.run(main))

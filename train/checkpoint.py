@@ -8,23 +8,31 @@ Layout under the work directory::
 
 ``state`` is the train state pytree (restored onto abstract, sharded targets, so every
 array comes back with the sharding the step expects); ``meta`` is JSON (step, data
-position, best metric so far, ...). A checkpoint that fails to restore (corrupt or
-partially deleted files) is moved aside with a warning and the next older one is tried;
-partial saves of a killed run are never listed (orbax writes to a temporary directory and
-renames it on completion).
+position, best metric so far, ...). When the newest checkpoints fail to restore (corrupt
+or partially deleted files) the next older one is tried, and once one restores the failed
+ones are moved aside with a warning; when none restores, nothing is moved and
+`restore_latest` raises `train.guard.WorkdirError` (one line: never a silent restart from
+step 0). Partial saves of a killed run are never listed (orbax writes to a temporary
+directory and renames it on completion).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import shutil
+import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+from train.guard import WAY_ON, WorkdirError
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,123 @@ def _cpu_array_handler() -> None:
     finally:
         absl_log.setLevel(level)
     _CPU_HANDLER_SET = True
+
+
+def _one_line(error: Exception) -> str:
+    """``Type: first line`` of `error` (at most 300 characters)."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
+
+
+class _TolerantLoop(asyncio.SelectorEventLoop):
+    """An event loop that ignores callbacks scheduled after it closed: orbax closes its
+    restore loop when the first array fails, and the TensorStore reads still in flight then
+    schedule their completion on it (each printing ``Event loop is closed``)."""
+
+    def call_soon_threadsafe(self, callback, *args, context=None):
+        if self.is_closed():
+            return None
+        return super().call_soon_threadsafe(callback, *args, context=context)
+
+
+class _TolerantPolicy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self):
+        return _TolerantLoop()
+
+
+@contextlib.contextmanager
+def _quiet_orbax(restoring: bool = False):
+    """No absl (orbax, TensorStore) log records below CRITICAL while listing or restoring
+    checkpoints and, `restoring`, event loops that ignore the reads a failed restore leaves
+    in flight (`_TolerantLoop`): a checkpoint that does not read is reported once, in one
+    line, by the caller (`Checkpointer.restore_latest`), without the library's tracebacks."""
+    absl_log = logging.getLogger("absl")
+    level = absl_log.level
+    absl_log.setLevel(max(level, logging.CRITICAL))
+    policy = asyncio.get_event_loop_policy() if restoring else None
+    if restoring:
+        asyncio.set_event_loop_policy(_TolerantPolicy())
+    try:
+        yield
+    finally:
+        absl_log.setLevel(level)
+        if restoring:
+            asyncio.set_event_loop_policy(policy)
+
+
+def _layout(tree) -> dict[str, tuple]:
+    """``{path: (shape, dtype)}`` of the arrays of `tree` (arrays, ShapeDtypeStructs or
+    orbax array metadata)."""
+    tree = getattr(tree, "item_metadata", tree)
+    return {
+        jax.tree_util.keystr(path, simple=True, separator="/"): (
+            tuple(leaf.shape),
+            str(np.dtype(leaf.dtype)),
+        )
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def _check_layout(stored, abstract_state) -> None:
+    """Raises ValueError naming the first arrays where the checkpoint's tree (`stored`:
+    orbax metadata) and the restore target differ in path, shape or dtype: a checkpoint of
+    another model is refused from its metadata, before any array is read. No metadata (None):
+    nothing to compare, the restore itself decides."""
+    if getattr(stored, "item_metadata", stored) is None:
+        return
+    have, want = _layout(stored), _layout(abstract_state)
+    if have == want:
+        return
+
+    def show(entry):
+        return "nothing" if entry is None else f"{entry[1]}{list(entry[0])}"
+
+    keys = sorted(set(have) | set(want), key=lambda k: (not k.startswith("params"), k))
+    diffs = [
+        f"{k} {show(have.get(k))} stored, {show(want.get(k))} here"
+        for k in keys
+        if have.get(k) != want.get(k)
+    ]
+    more = f" and {len(diffs) - 1} more" if len(diffs) > 1 else ""
+    raise ValueError(f"another model's arrays: {diffs[0]}{more}")
+
+
+def _orphaned_read_error(error: BaseException | None) -> bool:
+    """An error of a read the failed restore left in flight: orbax closes its event loop when
+    the first array fails, and the TensorStore reads still running then report, through
+    ``sys.unraisablehook``, the loop they cannot reach and their own read errors."""
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    text = str(error)
+    return isinstance(error, Exception) and (
+        text.startswith("Encountered error while reading") or "tensorstore_spec" in text
+    )
+
+
+class _OrphanedReadFilter(logging.Filter):
+    """Drops asyncio's "exception was never retrieved" records of `_orphaned_read_error`s."""
+
+    def filter(self, record):
+        return not (record.exc_info and _orphaned_read_error(record.exc_info[1]))
+
+
+def _silence_orphaned_reads() -> None:
+    """Installs (once) an ``unraisablehook`` and an ``asyncio`` log filter that drop the
+    reports of `_orphaned_read_error` (the restore's own error says what failed) and pass
+    every other one on."""
+    if getattr(sys.unraisablehook, "_drops_orphaned_reads", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(args):
+        if not _orphaned_read_error(args.exc_value):
+            previous(args)
+
+    hook._drops_orphaned_reads = True
+    sys.unraisablehook = hook
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _OrphanedReadFilter) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_OrphanedReadFilter())
 
 
 class Checkpointer:
@@ -114,7 +239,11 @@ class Checkpointer:
             ),
             **kw,
         )
-        return ocp.CheckpointManager(self.workdir / name, options=options)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        with _quiet_orbax():  # it reads every step's metadata
+            return ocp.CheckpointManager(
+                self.workdir / name, options=options, item_handlers=handlers
+            )
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, state, meta: dict[str, Any]) -> bool:
@@ -144,6 +273,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restoring
     def _restore(self, manager, step, abstract_state):
+        _check_layout(manager.item_metadata(step)["state"], abstract_state)
         out = manager.restore(
             step,
             args=ocp.args.Composite(
@@ -155,37 +285,60 @@ class Checkpointer:
     def _quarantine(self, manager, subdir: str, step: int, error: Exception) -> None:
         src = self.workdir / subdir / str(step)
         dst = self.workdir / f"{subdir}_corrupt" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-        msg = (
-            f"checkpoint {src} failed to restore ({type(error).__name__}: "
-            f"{str(error).splitlines()[0][:200] if str(error) else ''}); moved to {dst}, "
-            "trying the previous one"
-        )
+        msg = f"checkpoint {src} failed to restore ({_one_line(error)}); moved to {dst}"
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
         log.warning(msg)
         if jax.process_index() == 0 and src.exists():
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(src), str(dst))
-        manager.reload()
 
     def restore_latest(self, abstract_state):
-        """``(state, meta)`` of the newest checkpoint that restores, or ``None`` if none does.
+        """``(state, meta)`` of the newest checkpoint that restores; ``None`` if there is none.
 
         ``abstract_state``: a pytree of ``jax.ShapeDtypeStruct`` with shardings (see
-        ``abstract_like``); every restored array gets that sharding.
+        ``abstract_like``); every restored array gets that sharding. Newer checkpoints that
+        failed to restore are then moved aside.
+
+        Raises:
+          WorkdirError: there are checkpoints but none restores (nothing is moved: no silent
+            restart from step 0, now or on a rerun).
         """
-        return self._restore_newest(self.latest, "checkpoints", abstract_state)
+        restored, failed = self._restore_newest(self.latest, abstract_state)
+        if restored is None and failed:
+            step, error = failed[0]
+            raise WorkdirError(
+                f"none of the {len(failed)} checkpoints in {self.workdir / 'checkpoints'} "
+                f"restores (newest, step {step}: {_one_line(error)}); a run of another model "
+                f"or damaged files: {WAY_ON}"
+            )
+        for step, error in failed:
+            self._quarantine(self.latest, "checkpoints", step, error)
+        if failed:
+            with _quiet_orbax():
+                self.latest.reload()
+        return restored
 
     def restore_best(self, abstract_state):
-        """``(state, meta)`` of the best checkpoint, or ``None``."""
-        return self._restore_newest(self.best, "best", abstract_state)
+        """``(state, meta)`` of the best checkpoint, or ``None`` (none, or none restores:
+        a warning, nothing moved)."""
+        restored, failed = self._restore_newest(self.best, abstract_state)
+        if restored is None and failed:
+            msg = f"no checkpoint in {self.workdir / 'best'} restores ({_one_line(failed[0][1])})"
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            log.warning(msg)
+        return restored
 
-    def _restore_newest(self, manager, subdir, abstract_state):
+    def _restore_newest(self, manager, abstract_state):
+        """``(restored or None, [(step, error) of the newer ones that failed]))``."""
+        failed = []
         for step in sorted(manager.all_steps(), reverse=True):
             try:
-                return self._restore(manager, step, abstract_state)
-            except Exception as error:  # any failure to read: quarantine, try older
-                self._quarantine(manager, subdir, step, error)
-        return None
+                with _quiet_orbax(restoring=True):
+                    return self._restore(manager, step, abstract_state), failed
+            except Exception as error:  # any failure to read: try the older one
+                _silence_orphaned_reads()
+                failed.append((step, error))
+        return None, failed
 
     def wait(self) -> None:
         """Block until pending async saves are on disk."""

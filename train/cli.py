@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from train import configs
@@ -27,6 +27,16 @@ COMMON_FLAGS = (
     "data_dir",
     "set",
     "no_progress",
+    "restart",
+)
+
+#: ``--restart``'s help (also what `train.guard` allows on resume)
+RESTART_HELP = (
+    "delete this workdir's run (checkpoints, metrics, summary) and start from step 0. "
+    "Without it a rerun resumes the workdir's run, and one of another config is refused; "
+    "only intervals, evaluation, logging and placement settings may differ "
+    "(train.guard.RESUMABLE), and --steps may grow when the learning rates of the steps "
+    "already run stay the same (rsqrt, constant; cosine within its warmup)"
 )
 
 
@@ -86,6 +96,8 @@ def parser(
         )
     if "no_progress" in flags:
         p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    if "restart" in flags:
+        p.add_argument("--restart", action="store_true", help=RESTART_HELP)
     return p
 
 
@@ -148,9 +160,46 @@ def build_config(args: Any, overrides: Sequence[str] = (), *, task: str | None =
     return config
 
 
+def expected_error(error: BaseException) -> bool:
+    """Whether `error` is one a command reports in one line (`run`): a bad setting or a
+    refused workdir (`train.guard`), a missing data set, an OS error (it names its path)."""
+    from train.data import DatasetNotFoundError
+    from train.guard import ConfigError, WorkdirError
+
+    return isinstance(error, (ConfigError, WorkdirError, DatasetNotFoundError, OSError))
+
+
+def error_line(error: BaseException) -> str:
+    """``error: <message>`` on one line."""
+    return "error: " + " ".join(str(error).split())
+
+
+def run(main: Callable[[Any], Any], argv: Sequence[str] | None = None) -> int:
+    """An entry's exit status: ``main(argv)``, then 0; an `expected_error` prints
+    `error_line` on stderr (no traceback) and gives 2."""
+    try:
+        main(argv)
+    except Exception as error:
+        if not expected_error(error):
+            raise
+        print(error_line(error), file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
 def default_workdir(config, *, prefix: str = "workdir", name: str | None = None) -> str:
     """``<prefix>/<task>_<preset>_<attention>`` (or ``<prefix>/<name>``)."""
     return f"{prefix}/{name or f'{config.task}_{config.preset}_{config.attention}'}"
 
 
-__all__ = ["COMMON_FLAGS", "build_config", "default_workdir", "parse", "parser"]
+__all__ = [
+    "COMMON_FLAGS",
+    "RESTART_HELP",
+    "build_config",
+    "default_workdir",
+    "error_line",
+    "expected_error",
+    "parse",
+    "parser",
+    "run",
+]

@@ -75,7 +75,7 @@ def parser():
         task=None,
         preset_help="mini or wikitext103",
         attention_help=f"one of {la.causal_names()}",
-        flags=("preset", "attention", "workdir", "steps", "set", "no_progress"),
+        flags=("preset", "attention", "workdir", "steps", "set", "no_progress", "restart"),
     )
     p.add_argument("--generate_only", action="store_true", help="sample from the saved run")
     p.add_argument("--prompt", default="def ", help="text to continue")
@@ -100,7 +100,7 @@ def main(argv=None) -> dict:
 
     out: dict[str, Any] = {}
     if not args.generate_only:
-        summary = loop.train_and_evaluate(config, workdir)
+        summary = loop.train_and_evaluate(config, workdir, restart=args.restart)
         print(loop.format_summary(summary), flush=True)
         for split in ("val", "test"):
             if summary.get(split):
@@ -131,4 +131,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    sys.exit(cli.run(main))

@@ -71,6 +71,7 @@ import jax
 import numpy as np
 
 from train import checkpoint as ckpt_lib
+from train import guard
 from train import metrics as metrics_lib
 
 # re-exported: the names `train.loop` held before the trainer and workloads moved out
@@ -299,7 +300,7 @@ def make_summary(config, workdir, trainer, run: RunState, final, counts, mem, t_
         "workdir": str(workdir),
     }
     previous = workdir / "summary.json"
-    if not run.last_train and previous.exists():
+    if not run.last_train and previous.is_file():
         # Nothing trained in this call (the run was complete): keep the speed and memory
         # that the training call measured.
         try:
@@ -342,18 +343,35 @@ def _announce(progress, config, trainer, counts, start, mem) -> None:
         )
 
 
-def train_and_evaluate(config, workdir: str | os.PathLike, *, data=None) -> dict[str, Any]:
+def train_and_evaluate(
+    config, workdir: str | os.PathLike, *, data=None, restart: bool = False
+) -> dict[str, Any]:
     """Train ``config`` in ``workdir`` (resuming from its checkpoints); returns the summary.
 
     ``data``: an already built data object (tests); default ``workload.build_data(config)``.
+    Before anything is written, `train.guard` checks the settings and what ``workdir`` holds:
+    a run of another config is refused (`train.guard.WorkdirError`), a finished run of this
+    one returns its stored summary (``"rerun": True``; nothing trained or appended), and
+    ``restart=True`` deletes the workdir's run files first and starts from step 0.
     """
+    guard.check_config(config)
     workdir = Path(workdir).absolute()
-    workdir.mkdir(parents=True, exist_ok=True)
     is_main = jax.process_index() == 0
+    with guard.os_errors(workdir):
+        done = guard.prepare_workdir(config, workdir, restart=restart, delete=is_main)
+        if done is not None:
+            return done
+        if restart and jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("train.guard restart")
+        return _train_and_evaluate(config, workdir, data, is_main)
+
+
+def _train_and_evaluate(config, workdir: Path, data, is_main: bool) -> dict[str, Any]:
     t_start = time.time()
-    trainer = Trainer(config, data)
-    if is_main:
-        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
+    trainer = Trainer(config, data)  # config errors raise here, before the workdir exists
+    workdir.mkdir(parents=True, exist_ok=True)
     num_steps = int(config.num_train_steps)
 
     with contextlib.ExitStack() as stack:
@@ -366,6 +384,8 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, data=None) -> dict
         )
         stack.callback(ckpt.close)
         state, meta, start = restore_or_init(trainer, ckpt, config)
+        if is_main:  # the run's identity (train.guard), once its checkpoints restored
+            (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
         counts = (count_params(state.params), count_params(state.extra))
         mem, step_fn = None, trainer.train_step
         if config.compile_memory_analysis and start < num_steps:
@@ -402,8 +422,10 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         return "n/a" if x is None else f"{100 * x:.2f}%"
 
     val, test = summary.get("val", {}), summary.get("test", {})
+    rerun = bool(summary.get("rerun"))
     lines = [
         f"== {summary['task']} ({summary['preset']}) / attention={summary['attention']} ==",
+        *(["finished earlier: its stored summary (nothing trained or appended)"] * rerun),
         f"steps: {summary['steps']}"
         + (f" (resumed from {summary['resumed_from']})" if summary["resumed_from"] else "")
         + f", params: {summary['params']:,} trainable + {summary['fixed_params']:,} fixed",

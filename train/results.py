@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,8 +42,11 @@ def run_all(
     workdir: str | Path = "results",
     overrides: Sequence[str] = (),
     progress: bool = True,
+    restart: bool = False,
 ) -> list[dict[str, Any]]:
-    """Train every (task, attention) pair; returns one row per run (summary or error)."""
+    """Train every (task, attention) pair; returns one row per run (summary or error).
+
+    ``restart``: start every run over (`train.loop.train_and_evaluate`)."""
     from train import loop
 
     rows = []
@@ -51,11 +55,14 @@ def run_all(
             config = run_config(task, attention, steps, preset, overrides, progress)
             run_dir = Path(workdir) / task / attention
             try:
-                summary = loop.train_and_evaluate(config, run_dir)
+                summary = loop.train_and_evaluate(config, run_dir, restart=restart)
                 print(loop.format_summary(summary), flush=True)
                 rows.append({"task": task, "attention": attention, "summary": summary})
             except Exception as e:  # one failed run must not lose the table
-                traceback.print_exc()
+                if cli.expected_error(e):  # a refused workdir, missing data: one line
+                    print(cli.error_line(e), file=sys.stderr, flush=True)
+                else:
+                    traceback.print_exc()
                 rows.append(
                     {"task": task, "attention": attention, "error": f"{type(e).__name__}: {e}"}
                 )
@@ -201,7 +208,7 @@ def parser() -> argparse.ArgumentParser:
         __doc__,
         task=None,
         attention=None,
-        flags=("preset", "steps", "set", "no_progress"),
+        flags=("preset", "steps", "set", "no_progress", "restart"),
     )
     p.formatter_class = argparse.RawTextHelpFormatter
     p.add_argument("--tasks", default="listops", help="comma-separated tasks")
@@ -240,6 +247,7 @@ def main(argv=None) -> list[dict[str, Any]]:
         workdir=args.workdir,
         overrides=overrides,
         progress=not args.no_progress,
+        restart=args.restart,
     )
     root = Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)

@@ -72,4 +72,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from train import cli
+
+    sys.exit(cli.run(main))
