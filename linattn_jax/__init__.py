@@ -23,18 +23,21 @@ from linattn_jax import flexformer  # noqa: F401  (flexformer_s, flexformer_n)
 from linattn_jax import nystrom  # noqa: F401  (nystromformer, soft, laplacian)
 from linattn_jax import randomized  # noqa: F401  (ra, lara)
 # isort: on
-from linattn_jax import landmarks, linen, nn, parallel  # noqa: E402
+from linattn_jax import hf, landmarks, linen, nn, parallel  # noqa: E402  (hf: no transformers)
+from linattn_jax.transplant import transplant  # noqa: E402
 
 __all__ = [
     "Mechanism",
     "causal_names",
     "core",
     "get",
+    "hf",
     "landmarks",
     "linen",
     "names",
     "nn",
     "parallel",
     "register",
+    "transplant",
 ]
 __version__ = "0.1.0"
