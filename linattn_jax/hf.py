@@ -45,7 +45,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.core import unfreeze
-from flax.traverse_util import flatten_dict
+from flax.traverse_util import flatten_dict, unflatten_dict
 
 from linattn_jax import registry
 from linattn_jax.transplant import transplant
@@ -203,7 +203,7 @@ def _swapped_call(module, spec: _Spec, args, kwargs):
         q, k, v, mask=mask, causal=bool(module.causal), deterministic=deterministic
     )
     if a["layer_head_mask"] is not None:
-        out = out * jnp.asarray(a["layer_head_mask"]).astype(out.dtype)[:, None]
+        out = out * jnp.asarray(a["layer_head_mask"]).astype(out.dtype)[None, None, :, None]
     return (out.reshape(b, t, h * d),)
 
 
@@ -305,11 +305,38 @@ def swap_attention(model, attention: str, *, seed: int = 0, **config):
     importlib.import_module(_FAMILY[model_type][0])  # the class the swap recognises
     swapped = copy.copy(model)
     swapped._module = _swapped_module(model.module, spec)
-    fresh = swapped.init_weights(jax.random.key(seed), model.input_shape)
-    params = transplant(unfreeze(model.params), unfreeze(fresh))
+    params = transplant(unfreeze(model.params), _new_params(swapped, model, spec))
     swapped._required_params = set(flatten_dict(params))
     swapped.params = params
     return swapped
+
+
+def _new_params(swapped, model, spec: _Spec) -> dict:
+    """The swapped model's param tree: the given model's leaves, and the new mechanism params
+    drawn (one draw per layer, from `spec.seed` and the layer's path); the model is traced,
+    not run. A leaf that does not fit stays abstract, for `transplant` to report."""
+    shapes = jax.eval_shape(
+        lambda rng: unfreeze(swapped.init_weights(rng, model.input_shape)), jax.random.key(0)
+    )
+    flat = flatten_dict(shapes)
+    old = flatten_dict(unfreeze(model.params))
+    mech = spec.mechanism()
+    h = model.config.num_attention_heads
+    d = model.config.hidden_size // h
+    draws = {}
+    for path, shape in flat.items():
+        if path in old:  # the model's own leaf (its dtype, e.g. after to_bf16) where it fits
+            if jnp.shape(old[path]) == shape.shape:
+                flat[path] = old[path]
+            continue
+        layer = path[:-2]  # .../attention/self (path[-2] is "mechanism")
+        if layer not in draws:
+            rng = jax.random.fold_in(
+                jax.random.key(spec.seed), zlib.crc32("/".join(layer).encode())
+            )
+            draws[layer] = mech.init(rng, num_heads=h, head_dim=d)
+        flat[path] = draws[layer][path[-1]]
+    return unflatten_dict(flat)
 
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "SelfAttentionCall", "self_attention_call", "swap_attention"]
