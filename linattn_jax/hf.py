@@ -24,7 +24,9 @@ to softmax's weights). What it refuses, with a ValueError naming it: a non-causa
 in a decoder, ``output_attentions=True`` (a linear mechanism has no weight matrix), the
 decoding cache (``init_cache`` / ``past_key_values``), and training (``train=True``) with
 ``config.attention_probs_dropout_prob > 0`` (dropout on attention weights: set it to 0).
-Sampling mechanisms (ra, lara) draw from the ``"dropout"`` rng stream when training.
+Stochastic mechanisms (``la.get(name).stochastic``: performer and rfa redraw their features,
+ra and lara sample) draw from the ``"dropout"`` rng stream when training
+(``model(..., train=True, dropout_rng=key)``).
 Cross-attention layers (``add_cross_attention=True``) keep softmax.
 
 `self_attention_call` tells a tool that intercepts module calls (such as
@@ -329,13 +331,17 @@ def _new_params(swapped, model, spec: _Spec) -> dict:
             if jnp.shape(old[path]) == shape.shape:
                 flat[path] = old[path]
             continue
-        layer = path[:-2]  # .../attention/self (path[-2] is "mechanism")
+        i = len(path) - 1 - path[::-1].index("mechanism")  # .../attention/self/mechanism/...
+        layer = path[:i]
         if layer not in draws:
             rng = jax.random.fold_in(
                 jax.random.key(spec.seed), zlib.crc32("/".join(layer).encode())
             )
             draws[layer] = mech.init(rng, num_heads=h, head_dim=d)
-        flat[path] = draws[layer][path[-1]]
+        value = draws[layer]
+        for key in path[i + 1 :]:
+            value = value[key]
+        flat[path] = value
     return unflatten_dict(flat)
 
 

@@ -4,11 +4,13 @@ be represented refused, and train.distill finding and distilling the attention c
 
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import serialization
 
 import linattn_jax as la
 from train import distill
@@ -86,12 +88,24 @@ def test_mechanism_swap_keeps_the_weights_and_honours_padding(bert, inputs):
     for name in ("query", "key", "value"):
         _close(_layer(model.params, 1)[name]["kernel"], _layer(bert.params, 1)[name]["kernel"], 0)
     out = model(ids, attention_mask=mask).last_hidden_state
-    # row 1 padded after 5 tokens == row 1 cut to 5 tokens; the padding's content is ignored
-    cut = model(ids[1:, :5]).last_hidden_state
-    _close(out[1, :5], cut[0], 1e-5)
+    # the padded keys take no part: their content changes nothing at the valid positions
     other = model(ids.at[1, 5:].set(7), attention_mask=mask).last_hidden_state
     _close(out[1, :5], other[1, :5], 1e-6)
+    assert not np.allclose(model(ids.at[1, 5:].set(7))[0][1, :5], out[1, :5], atol=1e-5)
     assert not np.allclose(out, bert(ids, attention_mask=mask)[0], atol=1e-4)  # not softmax
+
+
+def test_a_saved_swap_reloads(bert, inputs, tmp_path):
+    ids, mask = inputs
+    model = la.hf.swap_attention(bert, "flexformer_n", num_features=8)
+    model.params = jax.tree.map(lambda x: x * 1.5, model.params)  # "trained"
+    model.save_pretrained(tmp_path)
+    loaded = type(bert).from_pretrained(tmp_path)
+    again = la.hf.swap_attention(loaded, "flexformer_n", num_features=8)
+    saved = serialization.msgpack_restore(Path(tmp_path, "flax_model.msgpack").read_bytes())
+    again.params, kept = la.transplant(saved, again.params, return_kept=True)
+    assert kept == []
+    _close(again(ids, attention_mask=mask)[0], model(ids, attention_mask=mask)[0], 0)
 
 
 def test_causal_decoder_and_heads(inputs):
