@@ -32,12 +32,14 @@ def _set(tree: dict, path, value) -> dict:
 
 
 def attention_paths(variables) -> list[tuple[str, ...]]:
-    """Paths (in ``params``) of every attention module: the parents of ``mechanism``."""
+    """Paths (in ``params``) of every attention module: the subtrees holding ``query``,
+    ``key`` and ``value`` projections (ours, flax's, an HF self-attention), whose mechanism
+    params, if the mechanism has any, are their ``mechanism`` entry."""
     out = []
 
     def walk(tree, path):
         if isinstance(tree, Mapping):
-            if "mechanism" in tree and "query" in tree:
+            if {"query", "key", "value"} <= set(tree):
                 out.append(path)
             for k, v in tree.items():
                 walk(v, (*path, k))
@@ -52,7 +54,7 @@ def mechanism_params(variables, paths=None) -> dict[tuple, Any]:
     paths = attention_paths(variables) if paths is None else paths
     out = {}
     for p in paths:
-        params = dict(_get(variables["params"], p)["mechanism"])
+        params = dict(_get(variables["params"], p).get("mechanism", {}))
         if "fixed" in variables:
             try:
                 params.update(_get(variables["fixed"], p)["mechanism"])
@@ -63,17 +65,21 @@ def mechanism_params(variables, paths=None) -> dict[tuple, Any]:
 
 
 def trainable_mechanism_params(variables) -> dict[tuple, Any]:
-    """``{path: params["mechanism"]}`` (the learnable feature-map params only)."""
+    """``{path: params["mechanism"]}`` (the learnable feature-map params only; ``{}`` for a
+    layer without any)."""
     variables = nn.meta.unbox(variables)
-    return {p: dict(_get(variables["params"], p)["mechanism"]) for p in attention_paths(variables)}
+    params = variables["params"]
+    return {p: dict(_get(params, p).get("mechanism", {})) for p in attention_paths(variables)}
 
 
 def with_mechanism_params(variables, trainable: Mapping[tuple, Any]):
-    """A copy of `variables` whose ``params[path]["mechanism"]`` are replaced by `trainable`."""
+    """A copy of `variables` whose ``params[path]["mechanism"]`` are replaced by `trainable`
+    (an empty entry is not created)."""
     variables = dict(nn.meta.unbox(variables))
     params = variables["params"]
     for p, value in trainable.items():
-        params = _set(params, (*p, "mechanism"), value)
+        if value or "mechanism" in _get(params, p):
+            params = _set(params, (*p, "mechanism"), value)
     variables["params"] = params
     return variables
 
