@@ -26,18 +26,21 @@ from linattn_jax import laplacian  # noqa: F401
 from linattn_jax import ra  # noqa: F401
 from linattn_jax import lara  # noqa: F401
 # isort: on
-from linattn_jax import landmarks, linen, nn, parallel  # noqa: E402
+from linattn_jax import hf, landmarks, linen, nn, parallel  # noqa: E402  (hf: no transformers)
+from linattn_jax.transplant import transplant  # noqa: E402
 
 __all__ = [
     "Mechanism",
     "causal_names",
     "core",
     "get",
+    "hf",
     "landmarks",
     "linen",
     "names",
     "nn",
     "parallel",
     "register",
+    "transplant",
 ]
 __version__ = "0.1.0"

@@ -10,8 +10,10 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from flax import serialization
+from flax.traverse_util import flatten_dict
+
+import linattn_jax as la
 
 
 def _get(tree, path):
@@ -30,12 +32,14 @@ def _set(tree: dict, path, value) -> dict:
 
 
 def attention_paths(variables) -> list[tuple[str, ...]]:
-    """Paths (in ``params``) of every attention module: the parents of ``mechanism``."""
+    """Paths (in ``params``) of every attention module: the subtrees holding ``query``,
+    ``key`` and ``value`` projections (ours, flax's, an HF self-attention), whose mechanism
+    params, if the mechanism has any, are their ``mechanism`` entry."""
     out = []
 
     def walk(tree, path):
         if isinstance(tree, Mapping):
-            if "mechanism" in tree and "query" in tree:
+            if {"query", "key", "value"} <= set(tree):
                 out.append(path)
             for k, v in tree.items():
                 walk(v, (*path, k))
@@ -50,7 +54,7 @@ def mechanism_params(variables, paths=None) -> dict[tuple, Any]:
     paths = attention_paths(variables) if paths is None else paths
     out = {}
     for p in paths:
-        params = dict(_get(variables["params"], p)["mechanism"])
+        params = dict(_get(variables["params"], p).get("mechanism", {}))
         if "fixed" in variables:
             try:
                 params.update(_get(variables["fixed"], p)["mechanism"])
@@ -61,57 +65,44 @@ def mechanism_params(variables, paths=None) -> dict[tuple, Any]:
 
 
 def trainable_mechanism_params(variables) -> dict[tuple, Any]:
-    """``{path: params["mechanism"]}`` (the learnable feature-map params only)."""
+    """``{path: params["mechanism"]}`` (the learnable feature-map params only; ``{}`` for a
+    layer without any)."""
     variables = nn.meta.unbox(variables)
-    return {p: dict(_get(variables["params"], p)["mechanism"]) for p in attention_paths(variables)}
+    params = variables["params"]
+    return {p: dict(_get(params, p).get("mechanism", {})) for p in attention_paths(variables)}
 
 
 def with_mechanism_params(variables, trainable: Mapping[tuple, Any]):
-    """A copy of `variables` whose ``params[path]["mechanism"]`` are replaced by `trainable`."""
+    """A copy of `variables` whose ``params[path]["mechanism"]`` are replaced by `trainable`
+    (an empty entry is not created)."""
     variables = dict(nn.meta.unbox(variables))
     params = variables["params"]
     for p, value in trainable.items():
-        params = _set(params, (*p, "mechanism"), value)
+        if value or "mechanism" in _get(params, p):
+            params = _set(params, (*p, "mechanism"), value)
     variables["params"] = params
     return variables
 
 
 def transplant(teacher_variables, student_variables, *, skip=("mechanism",)):
-    """Student variables with every leaf the teacher has at the same path and shape copied
-    from the teacher (projections, embeddings, MLPs, norms, head); the student's own
-    mechanism params (`skip`) and collections the teacher lacks (``fixed``) are kept.
+    """Student variables with every leaf of the teacher copied in at its path (projections,
+    embeddings, MLPs, norms, head), by `linattn_jax.transplant`; the student's own leaves
+    (its mechanism params, collections the teacher lacks such as ``fixed``) keep theirs, and
+    the teacher's subtrees under a key in `skip` (a teacher mechanism's params) are not
+    copied. Both trees are unboxed (logical-axis metadata dropped).
 
-    Returns ``(variables, copied, kept)`` with the lists of copied / kept leaf paths.
+    Returns ``(variables, copied, kept)`` with the sorted lists of copied / kept leaf paths.
+
+    Raises:
+      ValueError: a teacher leaf has no place in the student, or another shape or dtype
+        there: teacher and student are not the same architecture (every such leaf listed).
     """
     teacher = nn.meta.unbox(teacher_variables)
     student = nn.meta.unbox(student_variables)
-    copied, kept = [], []
-
-    def merge(s_tree, t_tree, path):
-        if isinstance(s_tree, Mapping):
-            out = {}
-            for key, value in s_tree.items():
-                sub = (*path, key)
-                if key in skip or not isinstance(t_tree, Mapping) or key not in t_tree:
-                    out[key] = value
-                    kept.extend(_leaf_paths(value, sub))
-                else:
-                    out[key] = merge(value, t_tree[key], sub)
-            return out
-        if getattr(t_tree, "shape", None) == getattr(s_tree, "shape", None):
-            copied.append(path)
-            return jnp.asarray(t_tree, dtype=s_tree.dtype)
-        kept.append(path)
-        return s_tree
-
-    merged = {c: merge(v, teacher.get(c, {}), (c,)) for c, v in student.items()}
-    return merged, copied, kept
-
-
-def _leaf_paths(tree, path):
-    if isinstance(tree, Mapping):
-        return [q for k, v in tree.items() for q in _leaf_paths(v, (*path, k))]
-    return [path]
+    merged, kept = la.transplant(teacher, student, skip=tuple(skip), return_kept=True)
+    kept_set = set(kept)
+    copied = [p for p in flatten_dict(merged) if p not in kept_set]
+    return merged, sorted(copied), kept
 
 
 def save_feature_maps(path, feature_maps: Mapping[tuple, Any], info: Mapping[str, Any]) -> None:
