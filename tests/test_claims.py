@@ -90,6 +90,7 @@ def test_cli_list_and_report_only(tmp_path, capsys, toy_claim):
     claims_cli.main(["--only", "toy.claim", "--quick", "--workdir", str(tmp_path), "--out", ""])
     assert (tmp_path / "quick_findings" / "toy.claim.json").exists() and len(toy_claim) == 1
     assert toy_claim[0].findings == tmp_path / "quick_findings"
+    assert toy_claim[0].seeds == claims.MIN_SEEDS == 5  # the power settings are the default
     assert claims_cli.main(["--only", "toy.claim", "--findings", str(tmp_path), "--out", ""])
     assert (tmp_path / "toy.claim.json").exists() and len(toy_claim) == 2
     with pytest.raises(SystemExit):
@@ -403,3 +404,13 @@ def test_vanishing_gradient_shares_on_distances_with_a_far_tail():
     k[0, :4] *= 8.0  # four far keys
     lap, gau = trained.vanishing_shares(q, k, None)
     assert lap < gau and gau > 0.05, (lap, gau)
+
+
+def test_rfa_bias_falls_with_features_and_ra_is_the_unbiased_control():
+    from train.claims import randomized
+
+    found = randomized.rfa_biased(claims.Settings(seeds=1, quick=True))
+    rms = {m: b for m, (_, b) in found.data["rfa"].items()}
+    assert rms[32] < rms[8] < rms[2], rms  # the O(1/M) bias of the ratio estimator
+    assert found.data["ra"][0] < 4.5  # RA's mean is within noise of softmax attention
+    assert found.verdict in (claims.REPRODUCED, claims.PARTLY, claims.NOT_REPRODUCED)

@@ -305,6 +305,33 @@ def _row(c: Claim, record: dict | None, why_stale: str) -> str:
     return "| " + " | ".join(_cell(x) for x in cells) + f" | {verdict} |"
 
 
+def _method() -> list[str]:
+    """The report's method section, from the code's own settings."""
+    from train.claims import cache, stats, table
+
+    tasks = "; ".join(
+        f"{t}: " + ", ".join(f"{k}={v}" for k, v in changes.items())
+        for t, (_, changes) in table.TASKS.items()
+    )
+    return [
+        "## Method",
+        "",
+        "**Verdicts.** " + "\n".join(stats.__doc__.split("\n\n", 1)[1].strip().splitlines()),
+        "",
+        f"**Power.** At least {MIN_SEEDS} seeds per accuracy comparison (`--seeds`, default "
+        f"{MIN_SEEDS}); the table's budgets ({tasks}). A task counts as learned when softmax "
+        f"reaches {table.LEARNED} test accuracy on every seed and is above each linear "
+        "baseline by the interval; softmax runs first, and on a task it does not learn the "
+        "other arms are not trained. Estimated compute per claim (from the v1 runs' wall "
+        "times) is given beside each pending claim.",
+        "",
+        f"**Run cache.** {' '.join(cache.__doc__.split(chr(10) * 2)[1].split())} Code "
+        f"version: the sha256 of {', '.join(cache.CODE_DIRS)} without "
+        f"{', '.join(cache.EXCLUDED)}.",
+        "",
+    ]
+
+
 def report(settings: Settings) -> str:
     """docs/claims.md from the kept findings under `settings`: a current finding with its
     verdict, an older one (other settings or code) as pending beside its old verdict, an
@@ -333,6 +360,7 @@ def report(settings: Settings) -> str:
         "estimated compute. A claim that does not reproduce at this scale is a finding, and "
         "its row says what would change it.",
         "",
+        *_method(),
     ]
     for paper in PAPERS:
         mine = [c for c in claims.values() if c.paper == paper]
@@ -344,13 +372,20 @@ def report(settings: Settings) -> str:
         lines.append("")
         for c in mine:
             r = records[c.key]
-            if r is None or why[c.key]:
+            if r is None:
                 continue
             tasks = r["settings"].get("tasks")
             on = f", table tasks: {', '.join(tasks)}" if tasks else ""
+            earlier = ""
+            if why[c.key]:
+                ruled = (
+                    "decided before rules were kept (v1)" if not r.get("rule")
+                    else "" if r["rule"] == c.rule else f"decided by an earlier rule: {r['rule']}"
+                )  # fmt: skip
+                earlier = f"earlier finding, {why[c.key]}" + (f"; {ruled}" if ruled else "") + "; "
             lines += [
-                f"**`{c.key}`** ({r['seconds']} s, commit {r['commit']}, {r['date']}{on}): "
-                + " ".join(r["finding"]["why"].split()),
+                f"**`{c.key}`** ({earlier}{r['seconds']} s, commit {r['commit']}, "
+                f"{r['date']}{on}): " + " ".join(r["finding"]["why"].split()),
                 "",
             ]
             data = r["finding"].get("data") or {}
