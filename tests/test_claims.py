@@ -402,8 +402,8 @@ def test_vanishing_gradient_shares_on_distances_with_a_far_tail():
     q = rng.normal(size=(1, 32, 1, 4))
     k = rng.normal(size=(1, 32, 1, 4))
     k[0, :4] *= 8.0  # four far keys
-    lap, gau = trained.vanishing_shares(q, k, None)
-    assert lap < gau and gau > 0.05, (lap, gau)
+    lap, gau, far = trained.vanishing_shares(q, k, None)
+    assert lap < gau and gau > 0.05 and far > 10, (lap, gau, far)
 
 
 def test_rfa_bias_falls_with_features_and_ra_is_the_unbiased_control():
