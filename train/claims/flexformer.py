@@ -136,7 +136,14 @@ def n_more_expressive(settings: Settings) -> Finding:
         + f"; n - s {FITS_BETTER.summary(st)}"
     )
     why = (
-        "Only the two learnable families are compared (v1 also counted s < performer, "
+        "Per seed: "
+        + "; ".join(f"{m} " + " / ".join(f"{x:.3f}" for x in e) for m, e in errs.items())
+        + (
+            " (a fit over 3x its family's median diverged under Adam at lr 1e-2). "
+            if any(max(e) > 3 * float(np.median(e)) for e in errs.values())
+            else ". "
+        )
+        + "Only the two learnable families are compared (v1 also counted s < performer, "
         "which held by construction: performer is never fitted). A larger budget, more "
         "steps or a target further from stationary could separate them."
     )
