@@ -379,7 +379,8 @@ def report(settings: Settings) -> str:
             earlier = ""
             if why[c.key]:
                 ruled = (
-                    "decided before rules were kept (v1)" if not r.get("rule")
+                    "decided before rules were kept (v1; its +- are population stds, ddof = 0)"
+                    if not r.get("rule")
                     else "" if r["rule"] == c.rule else f"decided by an earlier rule: {r['rule']}"
                 )  # fmt: skip
                 earlier = f"earlier finding, {why[c.key]}" + (f"; {ruled}" if ruled else "") + "; "
