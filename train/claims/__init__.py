@@ -12,8 +12,14 @@ docs/claims.md from whatever findings are kept; a claim not run yet is listed wi
 command that runs it. The verdicts are computed by the experiments, never typed in.
 
 Claims are of two kinds: ``"cheap"`` (estimator statistics, solvers, compiled memory:
-seconds to a few minutes) and ``"train"`` (training runs on the mini tasks, >= `Settings.seeds`
-seeds each, mean +- std).
+seconds to a few minutes) and ``"train"`` (training runs on the mini tasks, `Settings.seeds`
+seeds each, >= 5 by default). Each claim carries its `rule` (printed before its numbers;
+comparisons are decided by `train.claims.stats` from a 95% interval of the difference), its
+`command` and an estimate of its `compute`. A finding is current when it was made under the
+same settings and code version (`train.claims.cache.code_version`); the report shows an
+older one as pending, with its old verdict. Training runs are cached by their full config
+and the code version (`train.claims.cache`), so stale runs rerun and interrupted ones
+resume.
 """
 
 from __future__ import annotations
@@ -28,16 +34,24 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-REPRODUCED, PARTLY, NOT_REPRODUCED, NOT_TESTABLE = (
-    "reproduced",
-    "partly",
-    "not reproduced",
-    "not testable here",
+from train.claims.stats import (  # noqa: F401 -- the verdicts, re-exported
+    INCONCLUSIVE,
+    NOT_REPRODUCED,
+    NOT_TESTABLE,
+    PARTLY,
+    REPRODUCED,
+    VERDICTS,
+    Rule,
+    combine,
 )
-VERDICTS = (REPRODUCED, PARTLY, NOT_REPRODUCED, NOT_TESTABLE)
+
 KINDS = ("cheap", "train")
 PAPERS = ("Flexformer", "LaplacianFormer", "RA / LARA", "Equal budget")
 COMMAND = "python -m train.claims"
+
+
+#: the fewest seeds of a claim that compares accuracies (issue 37)
+MIN_SEEDS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +59,8 @@ class Settings:
     """Run settings; a cached finding is reused only under equal `key` fields.
 
     Attributes:
-      seeds: seeds per training run (and per statistical repeat where a claim uses them).
+      seeds: seeds per training run (and per statistical repeat where a claim uses them);
+        >= `MIN_SEEDS` by default (the CLI warns below it).
       quick: tiny sizes (for the tests: the numbers then mean nothing).
       workdir: the training runs (large, not tracked).
       findings: the findings, ``<key>.json`` each (small, tracked by git by default).
@@ -53,7 +68,7 @@ class Settings:
         `train.claims.table.TASKS`), so a table can be reported one task at a time.
     """
 
-    seeds: int = 3
+    seeds: int = MIN_SEEDS
     quick: bool = False
     workdir: Path = Path("workdir/claims")
     findings: Path = Path("docs/claims")
@@ -84,28 +99,52 @@ class Finding:
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
+    """A registered claim: what the paper states, the experiment, the `rule` that decides
+    it (stated before its numbers), the `command` that runs it and its `compute` (an
+    estimate at the default settings, from the timings named in the text)."""
+
     key: str
     paper: str
     statement: str
     experiment: str
     fn: Callable[[Settings], Finding]
     kind: str = "cheap"
+    rule: str = ""
+    command: str = ""
+    compute: str = ""
 
 
 CLAIMS: dict[str, Claim] = {}
 
 
-def claim(key: str, *, paper: str, statement: str, experiment: str, kind: str = "cheap"):
-    """Registers the decorated ``fn(settings) -> Finding`` as a claim under `key`."""
+def claim(
+    key: str,
+    *,
+    paper: str,
+    statement: str,
+    experiment: str,
+    kind: str = "cheap",
+    rule: str,
+    compute: str = "",
+    command: str | None = None,
+):
+    """Registers the decorated ``fn(settings) -> Finding`` as a claim under `key`, with the
+    `rule` that decides it (required: a claim states its rule before its numbers)."""
     if paper not in PAPERS:
         raise ValueError(f"claim {key!r}: paper must be one of {PAPERS}, got {paper!r}")
     if kind not in KINDS:
         raise ValueError(f"claim {key!r}: kind must be one of {KINDS}, got {kind!r}")
+    if not rule.strip():
+        raise ValueError(f"claim {key!r}: rule must state how the verdict is decided")
 
     def register(fn):
         if key in CLAIMS:
             raise ValueError(f"claim {key!r} registered twice")
-        CLAIMS[key] = Claim(key, paper, " ".join(statement.split()), experiment, fn, kind)
+        CLAIMS[key] = Claim(
+            key, paper, " ".join(statement.split()), experiment, fn, kind,
+            rule=" ".join(rule.split()), command=command or f"{COMMAND} --only {key}",
+            compute=compute,
+        )  # fmt: skip
         return fn
 
     return register
@@ -113,7 +152,15 @@ def claim(key: str, *, paper: str, statement: str, experiment: str, kind: str = 
 
 def all_claims() -> dict[str, Claim]:
     """Every claim, in report order (importing the claim modules registers them)."""
-    from train.claims import distillation, flexformer, laplacian, randomized, table  # noqa: F401
+    from train.claims import (  # noqa: F401
+        ablations,
+        distillation,
+        flexformer,
+        laplacian,
+        randomized,
+        table,
+        trained,
+    )
 
     return dict(sorted(CLAIMS.items(), key=lambda kv: PAPERS.index(kv[1].paper)))
 
@@ -154,21 +201,39 @@ def cache_path(settings: Settings, key: str) -> Path:
 def load(
     settings: Settings, key: str, kind: str | None = None, any_tasks: bool = False
 ) -> dict[str, Any] | None:
-    """The cached record of `key` (a claim of `kind`) under `settings`, or None; with
-    `any_tasks`, whatever table tasks it was run on (the report shows the latest finding)."""
+    """The current cached record of `key` (a claim of `kind`) under `settings` (same settings
+    and code version), or None; with `any_tasks`, whatever table tasks it was run on."""
+    record = latest(settings, key)
+    return record if record is not None and not stale(record, settings, kind, any_tasks) else None
+
+
+def latest(settings: Settings, key: str) -> dict[str, Any] | None:
+    """The kept record of `key` whatever its settings, or None."""
     path = cache_path(settings, key)
-    if not path.exists():
-        return None
-    record = json.loads(path.read_text())
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def stale(record: dict, settings: Settings, kind: str | None = None, any_tasks=False) -> str:
+    """Why `record` is not a current finding under `settings` ('' when it is)."""
+    from train.claims.cache import code_version
+
     got, want = dict(record.get("settings") or {}), settings.key(kind)
     if any_tasks:
         got.pop("tasks", None)
         want.pop("tasks", None)
-    return record if got == want else None
+    if got != want:
+        diff = {k: got.get(k) for k in set(got) | set(want) if got.get(k) != want.get(k)}
+        return "made under other settings " + ", ".join(f"{k}={v}" for k, v in diff.items())
+    if record.get("code") != code_version():
+        return "made with other code (the mechanism / training modules changed since)"
+    return ""
 
 
 def run(claims: Iterable[Claim], settings: Settings, *, rerun: bool = False, log=print):
-    """Runs each claim (or reuses its cached finding) and caches it; returns the records."""
+    """Runs each claim (or reuses its current cached finding) and caches it; returns the
+    records."""
+    from train.claims.cache import code_version
+
     records = {}
     for c in claims:
         record = None if rerun else load(settings, c.key, c.kind)
@@ -180,6 +245,8 @@ def run(claims: Iterable[Claim], settings: Settings, *, rerun: bool = False, log
                 "key": c.key,
                 "finding": dataclasses.asdict(finding),
                 "settings": settings.key(c.kind),
+                "rule": c.rule,
+                "code": code_version(),
                 "commit": _commit(),
                 "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                 "seconds": round(time.perf_counter() - t0, 1),
@@ -222,39 +289,86 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+def _row(c: Claim, record: dict | None, why_stale: str) -> str:
+    if record is None:
+        result = f"pending: `{c.command}`" + (f" ({c.compute})" if c.compute else "")
+        verdict = "pending"
+    elif why_stale:
+        result = (
+            f"pending: `{c.command}`" + (f" ({c.compute})" if c.compute else "")
+            + f". Earlier finding, {why_stale}: {record['finding']['numbers']}"
+        )  # fmt: skip
+        verdict = f"pending (earlier: {record['finding']['verdict']})"
+    else:
+        result, verdict = record["finding"]["numbers"], f"**{record['finding']['verdict']}**"
+    cells = (c.statement, c.experiment, c.rule, result)
+    return "| " + " | ".join(_cell(x) for x in cells) + f" | {verdict} |"
+
+
+def _method() -> list[str]:
+    """The report's method section, from the code's own settings."""
+    from train.claims import cache, stats, table
+
+    tasks = "; ".join(
+        f"{t}: " + ", ".join(f"{k}={v}" for k, v in changes.items())
+        for t, (_, changes) in table.TASKS.items()
+    )
+    return [
+        "## Method",
+        "",
+        "**Verdicts.** " + "\n".join(stats.__doc__.split("\n\n", 1)[1].strip().splitlines()),
+        "",
+        f"**Power.** At least {MIN_SEEDS} seeds per accuracy comparison (`--seeds`, default "
+        f"{MIN_SEEDS}); the table's budgets ({tasks}). A task counts as learned when softmax "
+        f"reaches {table.LEARNED} test accuracy on every seed and is above each linear "
+        "baseline by the interval; softmax runs first, and on a task it does not learn the "
+        "other arms are not trained. Estimated compute per claim (from the v1 runs' wall "
+        "times) is given beside each pending claim.",
+        "",
+        f"**Run cache.** {' '.join(cache.__doc__.split(chr(10) * 2)[1].split())} Code "
+        f"version: the sha256 of {', '.join(cache.CODE_DIRS)} without "
+        f"{', '.join(cache.EXCLUDED)}.",
+        "",
+    ]
+
+
 def report(settings: Settings) -> str:
-    """docs/claims.md from the cached findings under `settings` (unrun claims named)."""
+    """docs/claims.md from the kept findings under `settings`: a current finding with its
+    verdict, an older one (other settings or code) as pending beside its old verdict, an
+    unrun claim as pending with its command and compute; each claim's rule before its
+    numbers."""
     claims = all_claims()
-    records = {k: load(settings, k, c.kind, any_tasks=True) for k, c in claims.items()}
-    done = [r for r in records.values() if r]
-    seconds = compute_seconds(done)
+    records = {k: latest(settings, k) for k in claims}
+    why = {
+        k: stale(r, settings, claims[k].kind, any_tasks=True) if r else ""
+        for k, r in records.items()
+    }
+    current = [r for k, r in records.items() if r and not why[k]]
+    seconds = compute_seconds(current)
     flags = f" --seeds {settings.seeds}" + (" --quick" if settings.quick else "")
     lines = [
         "# The seeds' claims, tested at small scale",
         "",
         f"Generated by `{COMMAND}{flags}` (each claim's finding is kept in "
         f"`{settings.findings}/<key>.json`; `--only KEY` reruns one, `--report-only` rebuilds "
-        f"this page from them). {len(done)} of {len(claims)} claims "
-        f"run, {seconds / 60:.1f} min of compute in total, on the machine named per claim. "
-        "Verdicts: reproduced, partly, not reproduced, not testable here. A claim that does "
-        "not reproduce at this scale is a finding, and its row says what would change it.",
+        f"this page from them). {len(current)} of {len(claims)} claims have a current "
+        f"finding, {seconds / 60:.1f} min of compute in total, on the machine named per claim. "
+        f"Verdicts: {', '.join(VERDICTS)}; each is decided by the rule stated beside its "
+        "claim, before its numbers (comparisons: from a 95% interval of the difference, "
+        "`train.claims.stats`). A claim without a current finding (none yet, or one made "
+        "under other settings or code) is pending, with the command that runs it and its "
+        "estimated compute. A claim that does not reproduce at this scale is a finding, and "
+        "its row says what would change it.",
         "",
+        *_method(),
     ]
     for paper in PAPERS:
         mine = [c for c in claims.values() if c.paper == paper]
         if not mine:
             continue
-        lines += [f"## {paper}", "", "| claim | experiment | result | verdict |"]
-        lines.append("|---|---|---|---|")
-        for c in mine:
-            r = records[c.key]
-            if r is None:
-                result, verdict = f"not run yet: `{COMMAND} --only {c.key}`", "—"
-            else:
-                result, verdict = r["finding"]["numbers"], f"**{r['finding']['verdict']}**"
-            lines.append(
-                f"| {_cell(c.statement)} | {_cell(c.experiment)} | {_cell(result)} | {verdict} |"
-            )
+        lines += [f"## {paper}", "", "| claim | experiment | rule | result | verdict |"]
+        lines.append("|---|---|---|---|---|")
+        lines += [_row(c, records[c.key], why[c.key]) for c in mine]
         lines.append("")
         for c in mine:
             r = records[c.key]
@@ -262,9 +376,17 @@ def report(settings: Settings) -> str:
                 continue
             tasks = r["settings"].get("tasks")
             on = f", table tasks: {', '.join(tasks)}" if tasks else ""
+            earlier = ""
+            if why[c.key]:
+                ruled = (
+                    "decided before rules were kept (v1; its +- are population stds, ddof = 0)"
+                    if not r.get("rule")
+                    else "" if r["rule"] == c.rule else f"decided by an earlier rule: {r['rule']}"
+                )  # fmt: skip
+                earlier = f"earlier finding, {why[c.key]}" + (f"; {ruled}" if ruled else "") + "; "
             lines += [
-                f"**`{c.key}`** ({r['seconds']} s, commit {r['commit']}, {r['date']}{on}): "
-                + " ".join(r["finding"]["why"].split()),
+                f"**`{c.key}`** ({earlier}{r['seconds']} s, commit {r['commit']}, "
+                f"{r['date']}{on}): " + " ".join(r["finding"]["why"].split()),
                 "",
             ]
             data = r["finding"].get("data") or {}
@@ -283,10 +405,12 @@ def grade(*checks: bool) -> str:
 
 
 def mean_std(xs: Iterable[float]) -> tuple[float, float]:
-    """Mean and (population) standard deviation."""
+    """Mean and sample standard deviation (ddof = 1; 0 for a single value)."""
     xs = [float(x) for x in xs]
     m = sum(xs) / len(xs)
-    return m, (sum((x - m) ** 2 for x in xs) / len(xs)) ** 0.5
+    if len(xs) < 2:
+        return m, 0.0
+    return m, (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
 
 
 def fit_slope(xs: Iterable[float], ys: Iterable[float]) -> float:

@@ -5,6 +5,11 @@ python -m train.claims --kind train          # the equal-budget table and its cl
 python -m train.claims --kind train --tasks pathfinder   # ... on one of its tasks
 python -m train.claims --only ra.unbiased    # one claim (rerun with --rerun)
 python -m train.claims --report-only         # rewrite the report from docs/claims/*.json
+python -m train.claims --list                # every claim: kind, paper, statement
+
+Defaults are the power settings of issue 37 (5 seeds; the budgets of train.claims.table).
+Training runs are cached by config and code version: an interrupted claim resumes, a
+stale run reruns (train.claims.cache).
 """
 
 from __future__ import annotations
@@ -21,7 +26,12 @@ def main(argv=None) -> dict:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--only", nargs="+", default=None, help="claim keys (see --list)")
     p.add_argument("--kind", default="all", choices=("all", *claims.KINDS))
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=claims.MIN_SEEDS,
+        help=f"seeds per comparison (default {claims.MIN_SEEDS}; fewer is flagged)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes (tests; numbers meaningless)")
     p.add_argument("--workdir", default="workdir/claims", help="training runs")
     p.add_argument(
@@ -45,6 +55,11 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.seeds < claims.MIN_SEEDS and not args.quick:
+        print(
+            f"warning: --seeds {args.seeds} < {claims.MIN_SEEDS}: accuracy comparisons are "
+            "under-powered (issue 37)"
+        )
     findings = args.findings or (
         Path(args.workdir) / "quick_findings" if args.quick else claims.Settings.findings
     )

@@ -14,7 +14,9 @@ from train.claims import (
     claim,
     fit_slope,
     grade,
+    mean_std,
 )
+from train.claims.stats import Rule
 
 _D, _T, _SCALE = 16, 64, 0.5
 
@@ -44,6 +46,11 @@ def _softmax(q, k, v):
     "the unnormalised weight phi(q_i) . phi~(k_j) against exp(q.k / sqrt d - |q|^2 / (2 sqrt "
     "d)), as z-scores. (b) Rate: attention error against softmax for M = 16 ... 1024, "
     "log-log slope (the MC rate is -0.5).",
+    rule="Not a comparison: unbiased when no weight's mean is more than 4.5 standard errors "
+    "from the exact value (4096 weights: an unbiased estimator exceeds that somewhere with "
+    "probability ~3%); the rate holds when the fitted log-log slope is within [-0.65, "
+    "-0.35]. Reproduced when both hold, partly when one does, not reproduced otherwise.",
+    compute="about 15 s",
 )
 def init_rate(settings: Settings) -> Finding:
     draws = 40 if settings.quick else 400
@@ -95,40 +102,56 @@ def init_rate(settings: Settings) -> Finding:
     return Finding(numbers, verdict, why, {"z_max": float(np.max(np.abs(z))), "errors": errs})
 
 
+#: fitted attention error: flexformer_n's below flexformer_s's
+FITS_BETTER = Rule("less", margin=0.005, unit="relative error")
+
+
 @claim(
     "flexformer.n_more_expressive",
     paper="Flexformer",
     statement="flexformer_n (non-stationary, Yaglom) is strictly more expressive than "
     "flexformer_s (stationary, Bochner), which contains the fixed softmax estimator.",
-    experiment="`python -m train.bench kernel_fit`: fit each mechanism's kernel parameters "
-    "to a target attention from a non-stationary kernel exp(q^ . W k^) at an equal feature "
-    "budget (d = 8, 16 features, 300 Adam steps); attention error on fresh draws, mean +- std "
-    "over seeds. Predicted order: n < s < performer.",
+    experiment="`train.bench.kernel_fit`: fit each mechanism's kernel parameters to a target "
+    "attention from a non-stationary kernel exp(q^ . W k^) at an equal feature budget (d = "
+    "8, 16 features, 300 Adam steps); attention error on fresh draws, per seed. performer "
+    "is shown beside as the fixed estimator (its projection is a fixed param, not fitted, "
+    "so it takes no part in the verdict).",
+    rule=FITS_BETTER.text("flexformer_n's fitted error", "flexformer_s's"),
+    compute="about 1 min",
 )
 def n_more_expressive(settings: Settings) -> Finding:
     from train.bench import kernel_fit
 
     steps = 30 if settings.quick else 300
-    result = kernel_fit.run(seeds=settings.seeds, steps=steps)
-    rows = {r["mechanism"]: r for r in result["rows"]}
-    n, s, p = (rows[m] for m in ("flexformer_n", "flexformer_s", "performer"))
-
-    def apart(a, b):  # a below b by more than their spreads combined
-        return a["fitted"] + a["fitted_std"] < b["fitted"] - b["fitted_std"]
-
-    n_lt_s, s_lt_p = apart(n, s), apart(s, p)
-    verdict = grade(n_lt_s, s_lt_p)
-    numbers = "; ".join(f"{m} {r['fitted']:.3f} +- {r['fitted_std']:.3f}" for m, r in rows.items())
-    why = (
-        "An order counts when the means differ by more than the two standard deviations "
-        f"combined over {settings.seeds} seeds. n < s: {n_lt_s}; s < performer: {s_lt_p}. "
-        "At this budget both flexformers fit the target about equally: the pair's extra "
-        "freedom is not used by 300 steps of Adam from the near-tied init. A larger budget, "
-        "more steps or a target further from stationary could separate them."
-        if not n_lt_s
-        else "Both orders hold at this budget."
+    d = 8  # kernel_fit.run's defaults: d = 8, budget 2 d, T = 32, batch 8, scale 0.5, warp 1
+    r = jax.random.normal(jax.random.key(12345), (d, d))  # kernel_fit.run's target W
+    w = jnp.eye(d) + r / jnp.sqrt(d)
+    c = dict(budget=2 * d, w=w, batch=8, seq_len=32, head_dim=d, scale=0.5, steps=steps, lr=1e-2)
+    errs = {}
+    for name in ("flexformer_n", "flexformer_s", "performer"):
+        errs[name] = [kernel_fit.fit_one(name, seed=s, **c)[1] for s in range(settings.seeds)]
+    verdict, st = FITS_BETTER.decide(errs["flexformer_n"], errs["flexformer_s"])
+    numbers = (
+        "; ".join(f"{m} {mean_std(e)[0]:.3f} +- {mean_std(e)[1]:.3f}" for m, e in errs.items())
+        + f"; n - s {FITS_BETTER.summary(st)}"
     )
-    return Finding(numbers, verdict, why, {"rows": result["rows"]})
+    why = (
+        "Per seed: "
+        + "; ".join(f"{m} " + " / ".join(f"{x:.3f}" for x in e) for m, e in errs.items())
+        + (
+            " (a fit over 3x its family's median diverged under Adam at lr 1e-2). "
+            if any(max(e) > 3 * float(np.median(e)) for e in errs.values())
+            else ". "
+        )
+        + "Only the two learnable families are compared (v1 also counted s < performer, "
+        "which held by construction: performer is never fitted). A larger budget, more "
+        "steps or a target further from stationary could separate them."
+    )
+    return Finding(numbers, verdict, why, {"errors": errs, "stats": st})
+
+
+#: sequence lengths of the efficiency claim (the last is Retrieval's 4000 bytes)
+LENGTHS = (1000, 2000, 4000)
 
 
 @claim(
@@ -137,59 +160,62 @@ def n_more_expressive(settings: Settings) -> Finding:
     statement="On document retrieval, Flexformer trains 2.6x faster than the vanilla "
     "Transformer with 84% less memory, with linear time and memory.",
     experiment="One AdamW step of LRA's Retrieval model (dual encoder, embedding 128, 4 heads, "
-    "MLP 512, 4 layers, 4000 bytes per document, batch 2; `train.bench.model`), every O(T) "
-    "mechanism at its defaults (flexformer: 128 frequencies) against softmax in the same run: "
-    "step-time speed-up and XLA's compiled memory (temp + arguments + outputs).",
+    "MLP 512, 4 layers, batch 2; `train.bench.model`) at T = 1000, 2000, 4000 bytes per "
+    "document, flexformer_n (128 frequencies) and softmax in the same run: step time (median "
+    "of the calls after a warm-up) and XLA's compiled memory (temp + arguments + outputs); "
+    "fitted exponents in T, and the ratios at T = 4000.",
+    rule="Four checks, each a threshold on the measured values (timings are one run's "
+    "medians, so no interval): speed-up at T = 4000 >= 2.6x; memory saved at T = 4000 >= "
+    "84%; fitted exponent of flexformer_n's step time in T < 1.2; of its memory < 1.2. "
+    "Reproduced when all hold, partly when some do, not reproduced when none does.",
     kind="train",
+    compute="about 10 min (softmax's step at T = 4000 takes about 35 s here)",
 )
 def efficiency(settings: Settings) -> Finding:
     from train.bench import common
     from train.bench import model as bench_model
 
     shape = (
-        dict(seq_len=128, dim=32, heads=2, mlp=64, layers=1)
+        dict(dim=32, heads=2, mlp=64, layers=1)
         if settings.quick
-        else dict(seq_len=4000, dim=128, heads=4, mlp=512, layers=4)
+        else dict(dim=128, heads=4, mlp=512, layers=4)
     )
-    names = ["softmax"] + [n for n in la.names() if not common.is_quadratic(n)]
-    points = []
-    for n in names:
-        try:
-            # min_total_s=60: every step (softmax's takes about a minute here) is timed after
-            # its warm-up call, which pays the first touch of its memory.
-            points.append(bench_model.model_point(n, batch=2, repeats=2, min_total_s=60, **shape))
-        except Exception as e:  # noqa: BLE001 -- one failing mechanism must not end the run
-            points.append({"mechanism": n, "status": "error", "note": f"{type(e).__name__}: {e}"})
-        print(
-            f"[flexformer.efficiency] {n}: {points[-1].get('time_ms') or points[-1]['status']}",
-            flush=True,
-        )
-    points = {p["mechanism"]: p for p in bench_model.model_ratios(points)}
-    rows = {
-        n: (1.0 / p["ratio_time"], 1.0 - p["ratio_memory"])
-        for n, p in points.items()
-        if n != "softmax" and p.get("ratio_time") and p.get("ratio_memory")
+    lengths = (64, 128, 256) if settings.quick else LENGTHS
+    names = ("softmax", "flexformer_n")
+    time_ms = {n: {} for n in names}
+    memory = {n: {} for n in names}
+    for t in lengths:
+        points = [
+            bench_model.model_point(n, batch=2, repeats=2, min_total_s=60, seq_len=t, **shape)
+            for n in names
+        ]
+        for p in points:
+            time_ms[p["mechanism"]][t] = p["time_ms"]
+            memory[p["mechanism"]][t] = common.total_memory(p)
+        print(f"[flexformer.efficiency] T = {t}: " + ", ".join(
+            f"{n} {time_ms[n][t]:.0f} ms" for n in names), flush=True)  # fmt: skip
+    last = lengths[-1]
+    speed = time_ms["softmax"][last] / time_ms["flexformer_n"][last]
+    saved = 1.0 - memory["flexformer_n"][last] / memory["softmax"][last]
+    exps = {
+        f"{kind} {n}": fit_slope(list(v[n]), list(v[n].values()))
+        for kind, v in (("time", time_ms), ("memory", memory))
+        for n in names
     }
-    speed, saved = rows["flexformer_n"]
-    fast, lean = speed >= 2.6, saved >= 0.84
-    verdict = grade(fast, lean)
-    numbers = "; ".join(
-        f"{n} {s:.2f}x faster, {100 * m:.0f}% less memory" for n, (s, m) in rows.items()
+    checks = {
+        "speed": speed >= 2.6,
+        "memory": saved >= 0.84,
+        "linear time": exps["time flexformer_n"] < 1.2,
+        "linear memory": exps["memory flexformer_n"] < 1.2,
+    }
+    numbers = (
+        f"at T = {last}: flexformer_n {speed:.2f}x faster, {100 * saved:.1f}% less memory; "
+        "exponents in T: " + ", ".join(f"{k} {v:.2f}" for k, v in exps.items())
     )
-    ref, flex = points["softmax"], points["flexformer_n"]
-    gib = 2**30
     why = (
-        f"flexformer_n: {speed:.2f}x softmax's speed (claim 2.6x) and {100 * saved:.1f}% less "
-        f"memory (claim 84%): step {flex['time_ms'] / 1e3:.1f} s against "
-        f"{ref['time_ms'] / 1e3:.1f} s (median of the calls after a warm-up call), XLA's "
-        f"compiled total {common.total_memory(flex) / gib:.2f} against "
-        f"{common.total_memory(ref) / gib:.2f} GiB. Almost all of it is temp (activations "
-        f"kept for the backward pass): {ref['memory']['temp'] / gib:.2f} GiB for softmax, whose "
-        f"arguments (weights, AdamW state, inputs) are {ref['memory']['argument'] / gib:.3f} "
-        f"GiB; temp alone, flexformer_n uses "
-        f"{100 * (1 - flex['memory']['temp'] / ref['memory']['temp']):.1f}% less. It is the "
-        "slowest O(T) mechanism here: its 128 frequencies give each head 256 cos/sin features "
-        "(from two projections, Omega1 and Omega2) where linear_elu has the head dimension, "
-        "32. One run on a shared 2-core CPU; the seed's figures come from a GPU at batch 32."
+        f"Checks: {checks}. Step times (ms): {time_ms}; one run on a shared 2-core CPU (v1's "
+        "single timing at T = 4000 gave 2.47x in one run and 5.01x in another); the seed's "
+        "figures come from a GPU at batch 32."
     )
-    return Finding(numbers, verdict, why, {"points": list(points.values())})
+    data = {"time_ms": time_ms, "memory": memory, "exponents": exps, "checks": checks}
+    return Finding(numbers, grade(*checks.values()), why, data)
