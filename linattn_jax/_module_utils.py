@@ -11,6 +11,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from linattn_jax import core, registry
@@ -70,12 +71,21 @@ def has_params(mech: registry.Mechanism) -> bool:
 # ----------------------------------------------------------------------------- flax masks
 
 
-def _tril(tq, tk):
-    return jnp.tril(jnp.ones((tq, tk), bool))[None, None]
+def _tril(tq, tk, xp=jnp):
+    return xp.tril(xp.ones((tq, tk), bool))[None, None]
 
 
-def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
+def _representable(m, causal, xp):
+    """``(key_pad [B, Tk], ok [B])`` of a bool ``[B, H, Tq, Tk]`` mask `m` (see
+    `key_padding`)."""
+    tq, tk = m.shape[-2:]
+    if causal:
+        m = m & _tril(tq, tk, xp)
+    kp = xp.any(m, axis=(1, 2))
+    expect = xp.any(m, axis=-1)[..., None] & kp[:, None, None, :]
+    if causal:
+        expect = expect & _tril(tq, tk, xp)
+    return kp, xp.all(m == expect, axis=(1, 2, 3))
 
 
 def key_padding(name: str, mask, *, causal: bool, shape, causal_ok: bool = True):
@@ -86,39 +96,32 @@ def key_padding(name: str, mask, *, causal: bool, shape, causal_ok: bool = True)
     equals ``row[b, h, i] & key_pad[b, j] (& j <= i)``: one key-padding pattern shared by
     every head and query, where a query row may be all False (a padded query; its output
     is the mechanism's for the key padding, as flax's own is meaningless there). Returns
-    ``(key_pad, ok)``: `ok` is None when the check ran on a concrete mask (a mismatch
-    raises ValueError naming the mask's shape and what to pass instead), else a traced
-    ``[B]`` bool (under ``jit``) with which the caller poisons unrepresentable rows with NaN.
+    ``(key_pad, ok)``. A concrete mask (also one closed over inside ``jit``) is checked
+    now, in numpy: a mismatch raises ValueError naming the mask's shape and what to pass
+    instead, and `ok` is None. A traced mask's values are unknown until it runs: `ok` is a
+    ``[B]`` bool with which the caller poisons the unrepresentable batch rows with NaN.
     """
-    b, h, tq, tk = shape
+    concrete = not isinstance(mask, jax.core.Tracer)
+    xp = np if concrete else jnp
     try:
-        m = jnp.broadcast_to(jnp.asarray(mask).astype(bool), shape)
+        m = xp.broadcast_to(xp.asarray(mask).astype(bool), shape)
     except (ValueError, TypeError):
         raise ValueError(
             f"{name}: mask of shape {jnp.shape(mask)} does not broadcast to "
             f"[batch, heads, q_len, kv_len] = {shape}"
         ) from None
-    if causal:
-        m = m & _tril(tq, tk)
-    kp = jnp.any(m, axis=(1, 2))
-    expect = jnp.any(m, axis=-1)[..., None] & kp[:, None, None, :]
-    if causal:
-        expect = expect & _tril(tq, tk)
-    ok = jnp.all(m == expect, axis=(1, 2, 3))
-    if not _is_concrete(ok):
+    kp, ok = _representable(m, causal, xp)
+    if not concrete:
         return kp, ok
-    if not bool(jnp.all(ok)):
+    if not ok.all():
         raise ValueError(_mask_message(name, m, jnp.shape(mask), causal, causal_ok))
     return kp, None
 
 
 def _mask_message(name, m, shape, causal, causal_ok):
     """Why a concrete flax mask is not a key-padding mask (and causal), and what to pass."""
-    b, h, tq, tk = m.shape
-    if not causal and tq == tk:
-        kp = jnp.any(m, axis=(1, 2))
-        causal_form = jnp.any(m, axis=-1)[..., None] & kp[:, None, None, :] & _tril(tq, tk)
-        if bool(jnp.all(m == causal_form)):
+    if not causal and m.shape[-2] == m.shape[-1] and _representable(m, True, np)[1].all():
+        if np.array_equal(m, m & _tril(*m.shape[-2:], np)):
             if not causal_ok:
                 return (
                     f"{name}: mask of shape {shape} is causal and {name} cannot be causal; "
@@ -181,7 +184,8 @@ def _flax_softmax(q, k, v, *, bias, mask, causal, module, force_fp32_for_softmax
     )
 
 
-def _refuse_unsupported(name, *, bias, dropout_rate, module, einsums):
+def refuse_unsupported(name, *, bias=None, dropout_rate=0.0, module=None, einsums=(None, None)):
+    """ValueError naming the first flax option a non-softmax attention cannot apply."""
     if bias is not None:
         raise ValueError(
             f"bias: {name} cannot add an attention bias (got shape {jnp.shape(bias)}); only "
@@ -254,7 +258,7 @@ def flax_attention(
             dtype=dtype,
             precision=precision,
         )
-    _refuse_unsupported(name, bias=bias, dropout_rate=dropout_rate, module=module, einsums=einsums)
+    refuse_unsupported(name, bias=bias, dropout_rate=dropout_rate, module=module, einsums=einsums)
     b, tq, h, _ = query.shape
     tk = key.shape[1]
     if causal and not mech.supports_causal:

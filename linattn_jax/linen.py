@@ -289,7 +289,12 @@ class MultiHeadAttention(nn.Module):
 
     def _attend(self, mech, q, k, v, params, mask, causal, deterministic, dropout_rng, sow):
         det = self.deterministic if deterministic is None else deterministic
-        dropout = mech.name == "softmax" and self.dropout_rate > 0
+        dropout = self.dropout_rate > 0
+        if dropout and (mech.name != "softmax" or self.mesh is not None):
+            mu.refuse_unsupported(
+                mech.name + " (sequence-parallel)" * (self.mesh is not None),
+                dropout_rate=self.dropout_rate,
+            )
         if dropout and det is None:
             raise ValueError(
                 f"deterministic: dropout_rate={self.dropout_rate} needs deterministic=True or "

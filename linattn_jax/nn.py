@@ -88,6 +88,10 @@ class MechanismAttention(nnx.Module):
         self.causal = causal
         self.mechanism = mechanism_variables(mech, num_heads, head_dim, rngs)
 
+    def mechanism_params(self) -> dict:
+        """The mechanism's params as plain arrays."""
+        return _mechanism_params(self.mechanism)
+
     def __call__(
         self,
         query,
@@ -333,7 +337,12 @@ class MultiHeadAttention(nnx.Module):
             self.cache.set_value(new)
             return self.out(out, out_sharding=out_sharding)
         det = self.deterministic if deterministic is None else deterministic
-        dropout = self.mech.name == "softmax" and self.dropout_rate > 0
+        dropout = self.dropout_rate > 0
+        if dropout and (self.mech.name != "softmax" or self.attend is not None):
+            mu.refuse_unsupported(
+                self.mech.name + " (sequence-parallel)" * (self.attend is not None),
+                dropout_rate=self.dropout_rate,
+            )
         if dropout and det is None:
             raise ValueError(
                 f"deterministic: dropout_rate={self.dropout_rate} needs deterministic=True or "
