@@ -232,3 +232,67 @@ def test_linen_decode_mode_equals_parallel_causal(name, extra):
     if la.get(name).feature_map is None:
         with pytest.raises(ValueError, match="needs max_len >= 1"):
             la_linen.MultiHeadAttention(**kw, decode=True).init(jax.random.key(0), x[:, :1])
+
+
+def test_nnx_decode_equals_parallel_causal():
+    """NNX decoding as in flax (``init_cache`` then one token per ``decode=True`` call): the
+    feature map's recurrent state (performer) and the KV cache (softmax) reproduce the
+    parallel causal layer; a full KV cache gives NaN, not a silently overwritten prefix."""
+    x = _x(t=5)
+    for name in ("performer", "softmax"):
+        kw = dict(attention=name, attention_config=SMALL_CONFIG.get(name), rngs=nnx.Rngs(0))
+        layer = la_nn.MultiHeadAttention(H, F, **kw)
+        want = layer(x, causal=True)
+        with pytest.raises(ValueError, match="init_cache"):
+            layer(x[:, :1], decode=True)
+        layer.init_cache(x.shape)
+        got = jnp.concatenate([layer(x[:, i : i + 1], decode=True) for i in range(5)], 1)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        with pytest.raises(ValueError, match="one token"):
+            layer(x[:, :2], decode=True)
+    assert bool(jnp.all(jnp.isnan(layer(x[:, :1], decode=True))))  # softmax: cache full
+
+
+def test_linen_decode_cache_from_full_length_input():
+    """Flax's convention: the cache is created by ``init`` on the full-length input."""
+    kw = dict(num_heads=H, attention="softmax")
+    x = _x(t=4)
+    variables = la_linen.MultiHeadAttention(**kw).init(jax.random.key(0), x)
+    want = la_linen.MultiHeadAttention(**kw).apply(variables, x, causal=True)
+    dec = la_linen.MultiHeadAttention(**kw, decode=True)
+    cache = dec.init(jax.random.key(0), x)["cache"]
+    outs = []
+    for i in range(4):
+        y, upd = dec.apply({**variables, "cache": cache}, x[:, i : i + 1], mutable=["cache"])
+        cache = upd["cache"]
+        outs.append(y)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), want, rtol=1e-5, atol=1e-6)
+
+
+def test_flax_arguments_and_param_names():
+    """Flax's constructor arguments are honoured (params named as flax names them), and what
+    a mechanism cannot do raises naming the argument."""
+    x, xk = _x(t=4), _x(t=6, seed=1)
+    kw = dict(num_heads=H, normalize_qk=True, use_bias=False, kernel_init=nn.initializers.ones)
+    theirs = nn.MultiHeadDotProductAttention(**kw).init(jax.random.key(0), x, xk)
+    ours_mod = la_linen.MultiHeadAttention(**kw, attention="linear_elu")
+    ours = ours_mod.init(jax.random.key(0), x, xk)
+    shapes = lambda t: jax.tree.map(jnp.shape, nn.meta.unbox(t))  # noqa: E731
+    assert shapes(ours["params"]) == shapes(theirs["params"])
+    assert set(ours["params"]) == {"query", "key", "value", "out", "query_ln", "key_ln"}
+    assert bool(jnp.all(ours["params"]["query"]["kernel"] == 1.0))  # kernel_init used
+    assert ours_mod.apply(ours, x, xk).shape == x.shape  # cross attention
+    with pytest.raises(ValueError, match="sow_weights"):
+        ours_mod.apply(ours, x, sow_weights=True)
+    with pytest.raises(ValueError, match="dropout_rate"):
+        ours_mod.clone(dropout_rate=0.1).apply(ours, x, deterministic=True)
+    with pytest.raises(ValueError, match="attention_fn"):
+        ours_mod.clone(attention_fn=nn.dot_product_attention).apply(ours, x)
+    soft = la_linen.MultiHeadAttention(num_heads=H)
+    v = soft.init(jax.random.key(0), x)
+    _, state = soft.apply(v, x, sow_weights=True, mutable=["intermediates"])
+    assert state["intermediates"]["attention_weights"][0].shape == (2, H, 4, 4)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        la_nn.MultiHeadAttention(H, F, num_kv_heads=2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="deterministic"):  # flax: dropout needs the flag
+        la_nn.MultiHeadAttention(H, F, dropout_rate=0.1, rngs=nnx.Rngs(0))(x)
