@@ -140,7 +140,9 @@ def attention_fn(name: str, *, causal: bool = False, **config):
 
     A param-free mechanism gives a plain function; one with params gives a
     `MechanismAttention` module, which flax adopts as the submodule ``attention_fn``
-    (its params live there). The function takes flax's arguments (``query, key, value,
+    (its params live there) when it is built outside any module; built inside a
+    ``@compact`` method, linen makes it a child of that method's module instead (params at
+    ``MechanismAttention_<n>`` beside the attention layer). Build one per layer. The function takes flax's arguments (``query, key, value,
     bias, mask, dropout_rng, dropout_rate, deterministic, dtype, precision, module, ...``,
     ``[batch, length, heads, depth]``): softmax is flax's own ``dot_product_attention``
     (any mask, bias and dropout, flax's rng semantics); the others take key-padding masks

@@ -30,12 +30,14 @@ def _set(tree: dict, path, value) -> dict:
 
 
 def attention_paths(variables) -> list[tuple[str, ...]]:
-    """Paths (in ``params``) of every attention module: the parents of ``mechanism``."""
+    """Paths (in ``params``) of every attention module: the subtrees with flax's
+    ``query``/``key``/``value``/``out`` projections (a mechanism without params has no
+    ``mechanism`` entry)."""
     out = []
 
     def walk(tree, path):
         if isinstance(tree, Mapping):
-            if "mechanism" in tree and "query" in tree:
+            if {"query", "key", "value", "out"} <= set(tree):
                 out.append(path)
             for k, v in tree.items():
                 walk(v, (*path, k))
@@ -50,10 +52,10 @@ def mechanism_params(variables, paths=None) -> dict[tuple, Any]:
     paths = attention_paths(variables) if paths is None else paths
     out = {}
     for p in paths:
-        params = dict(_get(variables["params"], p)["mechanism"])
+        params = dict(_get(variables["params"], p).get("mechanism", {}))
         if "fixed" in variables:
             try:
-                params.update(_get(variables["fixed"], p)["mechanism"])
+                params.update(_get(variables["fixed"], p).get("mechanism", {}))
             except KeyError:
                 pass
         out[p] = params
@@ -63,7 +65,10 @@ def mechanism_params(variables, paths=None) -> dict[tuple, Any]:
 def trainable_mechanism_params(variables) -> dict[tuple, Any]:
     """``{path: params["mechanism"]}`` (the learnable feature-map params only)."""
     variables = nn.meta.unbox(variables)
-    return {p: dict(_get(variables["params"], p)["mechanism"]) for p in attention_paths(variables)}
+    return {
+        p: dict(_get(variables["params"], p).get("mechanism", {}))
+        for p in attention_paths(variables)
+    }
 
 
 def with_mechanism_params(variables, trainable: Mapping[tuple, Any]):
@@ -71,7 +76,8 @@ def with_mechanism_params(variables, trainable: Mapping[tuple, Any]):
     variables = dict(nn.meta.unbox(variables))
     params = variables["params"]
     for p, value in trainable.items():
-        params = _set(params, (*p, "mechanism"), value)
+        if value:  # no empty ``mechanism`` dicts
+            params = _set(params, (*p, "mechanism"), value)
     variables["params"] = params
     return variables
 
