@@ -52,6 +52,12 @@ def test_nnx_init_apply(name):
     assert n == projections + mech_trainable
     if name in MECH_PARAMS:
         assert mech_trainable == MECH_PARAMS[name]
+    for key, var in (layer.mechanism or {}).items():  # the head axis is named "heads"
+        per_head = [i for i, s in enumerate(var[...].shape) if s == H]
+        names = var.get_metadata().get("out_sharding") or ()
+        assert list(names).count("heads") == (1 if per_head else 0), (key, names)
+        if per_head:
+            assert list(names).index("heads") in per_head, (key, names)
     fixed = nnx.state(layer, la_nn.FixedFeatures)
     assert {k for k, _ in jax.tree_util.tree_flatten_with_path(fixed)[0]} or not (
         layer.mech.fixed_params()
