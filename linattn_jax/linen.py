@@ -142,8 +142,9 @@ def attention_fn(name: str, *, causal: bool = False, **config):
     `MechanismAttention` module, which flax adopts as the submodule ``attention_fn``
     (its params live there) when it is built outside any module; built inside a
     ``@compact`` method, linen makes it a child of that method's module instead (params at
-    ``MechanismAttention_<n>`` beside the attention layer). Build one per layer. The function takes flax's arguments (``query, key, value,
-    bias, mask, dropout_rng, dropout_rate, deterministic, dtype, precision, module, ...``,
+    ``MechanismAttention_<n>`` beside the attention layer). Build one per layer.
+
+    It takes flax's arguments (``query, key, value, bias, mask, dropout_rng, dropout_rate, deterministic, dtype, precision, module, ...``,
     ``[batch, length, heads, depth]``): softmax is flax's own ``dot_product_attention``
     (any mask, bias and dropout, flax's rng semantics); the others take key-padding masks
     and, with ``causal=True`` (or nnx's ``is_causal``), causality (the causal mask is ANDed
