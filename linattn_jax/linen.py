@@ -144,14 +144,15 @@ def attention_fn(name: str, *, causal: bool = False, **config):
     ``@compact`` method, linen makes it a child of that method's module instead (params at
     ``MechanismAttention_<n>`` beside the attention layer). Build one per layer.
 
-    It takes flax's arguments (``query, key, value, bias, mask, dropout_rng, dropout_rate, deterministic, dtype, precision, module, ...``,
-    ``[batch, length, heads, depth]``): softmax is flax's own ``dot_product_attention``
-    (any mask, bias and dropout, flax's rng semantics); the others take key-padding masks
-    and, with ``causal=True`` (or nnx's ``is_causal``), causality (the causal mask is ANDed
-    into flax's mask), and refuse with ValueError a mask they cannot represent (a causal
-    mask without ``causal=True``, a per-head or per-query pattern; under ``jit`` those
-    batch rows come out NaN), a bias, ``dropout_rate > 0`` and ``sow_weights``. Flax's
-    module hands out an rng only for dropout, so a sampling mechanism (ra, lara,
+    It takes flax's arguments (``query, key, value, bias, mask, dropout_rng,
+    dropout_rate, deterministic, dtype, precision, module, ...``, ``[batch, length, heads,
+    depth]``): softmax is flax's own ``dot_product_attention`` (any mask, bias and dropout,
+    flax's rng semantics); the others take key-padding masks and, with ``causal=True`` (or
+    nnx's ``is_causal``), causality (the causal mask is ANDed into flax's mask), and refuse
+    with ValueError a mask they cannot represent (a causal mask without ``causal=True``, a
+    per-head or per-query pattern; under ``jit`` those batch rows come out NaN), a bias,
+    ``dropout_rate > 0`` and ``sow_weights``. Flax's module hands out an rng only for
+    dropout, so a sampling mechanism (ra, lara,
     performer's redraw) runs deterministic inside it.
     """
     mech = mu.bound_mechanism(name, config)
