@@ -22,7 +22,6 @@ from linattn_jax import flexformer  # noqa: F401  (flexformer_s, flexformer_n)
 
 from linattn_jax import nystrom  # noqa: F401  (nystromformer, soft, laplacian)
 from linattn_jax import randomized  # noqa: F401  (ra, lara)
-
 # isort: on
 from linattn_jax import landmarks, linen, nn, parallel  # noqa: E402
 
