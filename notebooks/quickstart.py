@@ -27,8 +27,10 @@
 # tests execute it that way).
 
 # %%
+import functools
 import os
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
@@ -247,9 +249,62 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
+# ## 5. The swap in a Flax model
+#
+# `la.linen.MultiHeadAttention` takes the arguments of flax's `nn.MultiHeadDotProductAttention`
+# and names its params the same way (`query`/`key`/`value`/`out`), so swapping the attention of
+# an existing Flax model is one line, and the model's trained weights carry over by path (the
+# mechanism's own params are new). A small pre-LN block, written once, built with flax's
+# attention and with ours; `attention="softmax"` reproduces flax's output exactly, and a
+# mechanism that cannot honour a mask says so instead of ignoring it.
+
+
+# %%
+def make_block(attention_layer):
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, pad):
+            mask = nn.make_attention_mask(pad, pad)
+            x = x + attention_layer(name="attn")(nn.LayerNorm()(x), mask=mask)
+            h = nn.gelu(nn.Dense(2 * x.shape[-1])(nn.LayerNorm()(x)))
+            return x + nn.Dense(x.shape[-1])(h)
+
+    return Block()
+
+
+flax_block = make_block(functools.partial(nn.MultiHeadDotProductAttention, num_heads=2))
+xb = jax.random.normal(jax.random.key(7), (2, T, 16))
+pad = jnp.arange(T)[None, :] < jnp.array([[T], [T - 5]])  # the second sequence is padded
+flax_vars = flax_block.init(jax.random.key(8), xb, pad)
+want = flax_block.apply(flax_vars, xb, pad)
+
+for name in ("softmax", "flexformer_n", "nystromformer"):
+    config = (("num_features", 32),) if name == "flexformer_n" else ()
+    # the one line that changes: the attention class (and its mechanism)
+    layer = functools.partial(
+        la.linen.MultiHeadAttention, num_heads=2, attention=name, attention_config=config
+    )
+    block = make_block(layer)
+    fresh = block.init(jax.random.key(9), xb, pad)
+    # flax's weights by path; the mechanism's own params (if any) stay as initialised
+    params = jax.tree.map(lambda x: x, nn.meta.unbox(fresh["params"]))
+    for key, value in flax_vars["params"].items():
+        params[key] = {**params.get(key, {}), **value}
+    got = block.apply({**fresh, "params": params}, xb, pad)
+    err = float(jnp.max(jnp.abs(got - want)[0]))  # the unpadded sequence
+    print(f"{name:14s} max |block out - flax block out| = {err:.2e}")
+
+try:  # a causal mask given to a mechanism told nothing about causality
+    la.linen.MultiHeadAttention(num_heads=2, attention="linear_elu").init(
+        jax.random.key(0), xb, mask=nn.make_causal_mask(pad)
+    )
+except ValueError as e:
+    print("refused:", str(e)[:120], "...")
+
+# %% [markdown]
 # ## Where next
 #
 # * `python -m train.bench scaling|fidelity|model|kernels` for the full benchmarks
 #   (`docs/performance.md` has measured tables);
 # * `linattn_jax.nn.MultiHeadAttention` / `linattn_jax.linen.MultiHeadAttention` to use any
-#   mechanism inside a Flax model, by name.
+#   mechanism inside a Flax model, by name (README: "Use in an existing Flax model").

@@ -31,6 +31,17 @@ def _x(t=10, seed=0):
     return jax.random.normal(jax.random.key(seed), (2, t, F))
 
 
+def _head_axes(mech):
+    """``{param: [axes whose size follows the head count]}``, from H and H + 1 heads."""
+
+    def shapes(h):
+        fn = lambda r: mech.init(r, num_heads=h, head_dim=D)  # noqa: E731
+        return jax.tree.map(jnp.shape, jax.eval_shape(fn, jax.random.key(0)))
+
+    a, b = shapes(H), shapes(H + 1)
+    return {k: [i for i, (x, y) in enumerate(zip(a[k], b[k])) if x != y] for k in a}
+
+
 def _count(tree):
     return sum(x.size for x in jax.tree_util.tree_leaves(tree))
 
@@ -52,6 +63,10 @@ def test_nnx_init_apply(name):
     assert n == projections + mech_trainable
     if name in MECH_PARAMS:
         assert mech_trainable == MECH_PARAMS[name]
+    wider = _head_axes(layer.mech)
+    for key, var in (layer.mechanism or {}).items():  # the head axis is named "heads"
+        names = var.get_metadata().get("out_sharding") or ()
+        assert [i for i, n in enumerate(names) if n == "heads"] == wider[key], (key, names)
     fixed = nnx.state(layer, la_nn.FixedFeatures)
     assert {k for k, _ in jax.tree_util.tree_flatten_with_path(fixed)[0]} or not (
         layer.mech.fixed_params()
@@ -69,7 +84,9 @@ def test_linen_init_apply(name):
     y = layer.apply(variables, x, causal=causal, rngs={"attention": jax.random.key(2)})
     assert y.shape == (2, 10, F) and jnp.all(jnp.isfinite(y))
     n = _count(variables["params"])
-    mech_trainable = _count(variables["params"]["mechanism"])
+    mech_trainable = _count(variables["params"].get("mechanism", {}))
+    # no empty dicts: a mechanism without trainable params makes no ``mechanism`` entry
+    assert ("mechanism" in variables["params"]) == (mech_trainable > 0)
     assert n == 4 * (F * F + F) + mech_trainable
     if name in MECH_PARAMS:
         assert mech_trainable == MECH_PARAMS[name]
@@ -79,6 +96,11 @@ def test_linen_init_apply(name):
     specs = nn.get_partition_spec(variables)["params"]
     assert tuple(specs["query"]["kernel"]) == ("embed", "heads", "kv")
     assert tuple(specs["out"]["kernel"]) == ("heads", "kv", "embed")
+    # the head axis of every mechanism param that has one is named "heads"
+    wider = _head_axes(la.get(name).bind(**SMALL_CONFIG.get(name, {})))
+    for key in variables["params"].get("mechanism", {}):
+        spec = tuple(specs["mechanism"][key])
+        assert [i for i, n in enumerate(spec) if n == "heads"] == wider[key], (key, spec)
 
 
 def test_nnx_attention_stream_changes_performer_only_when_stochastic():
@@ -90,14 +112,19 @@ def test_nnx_attention_stream_changes_performer_only_when_stochastic():
         rngs=nnx.Rngs(0, attention=1),
     )
     x = _x()
-    a, b = layer(x), layer(x)  # the stream advances between calls: fresh features
-    assert not np.allclose(a, b)
+    a, b = layer(x, deterministic=False), layer(x, deterministic=False)
+    assert not np.allclose(a, b)  # the stream advances between calls: fresh features
     d1, d2 = layer(x, deterministic=True), layer(x, deterministic=True)
     np.testing.assert_array_equal(d1, d2)
+    np.testing.assert_array_equal(layer(x), d1)  # flax's default: deterministic, no rng
     # An explicit key reproduces a call.
     np.testing.assert_array_equal(
-        layer(x, rngs=jax.random.key(5)), layer(x, rngs=jax.random.key(5))
+        layer(x, deterministic=False, rngs=jax.random.key(5)),
+        layer(x, deterministic=False, rngs=jax.random.key(5)),
     )
+    bare = la_nn.MultiHeadAttention(H, F, attention="ra", rngs=nnx.Rngs(params=0), keep_rngs=False)
+    with pytest.raises(ValueError, match="needs an rng"):
+        bare(x, deterministic=False)
 
 
 def test_nnx_redraw_replaces_fixed_features():
@@ -118,9 +145,12 @@ def test_linen_attention_stream():
     )
     x = _x()
     v = layer.init({"params": jax.random.key(0)}, x, deterministic=True)
-    a = layer.apply(v, x, rngs={"attention": jax.random.key(1)})
-    b = layer.apply(v, x, rngs={"attention": jax.random.key(2)})
+    a = layer.apply(v, x, deterministic=False, rngs={"attention": jax.random.key(1)})
+    b = layer.apply(v, x, deterministic=False, rngs={"attention": jax.random.key(2)})
     assert not np.allclose(a, b)
+    np.testing.assert_array_equal(layer.apply(v, x), layer.apply(v, x, deterministic=True))
+    with pytest.raises(ValueError, match="'attention' rng stream"):
+        layer.apply(v, x, deterministic=False)
     d1 = layer.apply(v, x, deterministic=True, rngs={"attention": jax.random.key(1)})
     d2 = layer.apply(v, x, deterministic=True, rngs={"attention": jax.random.key(2)})
     np.testing.assert_array_equal(d1, d2)
@@ -134,7 +164,7 @@ def test_gradients_reach_spectral_params_through_module(name):
     x = _x()
     v = layer.init({"params": jax.random.key(0)}, x)
     g = jax.grad(lambda p: jnp.sum(layer.apply({"params": p}, x, causal=True) ** 2))(v["params"])
-    for key, val in g["mechanism"].items():
+    for key, val in nn.meta.unbox(g)["mechanism"].items():
         assert jnp.all(jnp.isfinite(val)) and jnp.any(val != 0), key
 
     model = la_nn.MultiHeadAttention(
@@ -143,35 +173,6 @@ def test_gradients_reach_spectral_params_through_module(name):
     grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
     for key, val in grads["mechanism"].items():
         assert jnp.any(val[...] != 0), key
-
-
-@pytest.mark.parametrize("name", ["softmax", "linear_elu"])
-def test_attention_fn_adapter_in_flax_mhdpa(name):
-    mha = nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=la_linen.attention_fn(name))
-    ref = nn.MultiHeadDotProductAttention(num_heads=2)
-    x = _x()
-    pad = jnp.ones((2, 10), bool).at[1, 6:].set(False)
-    mask = nn.make_attention_mask(pad, pad)
-    variables = ref.init(jax.random.key(0), x)
-    y = mha.apply(variables, x, mask=mask)
-    assert y.shape == x.shape
-    if name == "softmax":  # identical to flax's own attention on the valid queries
-        y_ref = ref.apply(variables, x, mask=mask)
-        np.testing.assert_allclose(y[0], y_ref[0], rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(y[1, :6], y_ref[1, :6], rtol=1e-5, atol=1e-5)
-    nnx_mha = nnx.MultiHeadAttention(
-        num_heads=2,
-        in_features=F,
-        attention_fn=la_nn.attention_fn(name),
-        decode=False,
-        rngs=nnx.Rngs(0),
-    )
-    assert nnx_mha(x, mask=mask).shape == x.shape
-
-
-def test_attention_fn_rejects_mechanisms_with_params():
-    with pytest.raises(ValueError, match="has params"):
-        la_linen.attention_fn("hedgehog")
 
 
 # bfloat16 has an 8-bit significand: one rounding is <= 2^-8 relative. Projections, the
@@ -244,3 +245,67 @@ def test_linen_decode_mode_equals_parallel_causal(name, extra):
     if la.get(name).feature_map is None:
         with pytest.raises(ValueError, match="needs max_len >= 1"):
             la_linen.MultiHeadAttention(**kw, decode=True).init(jax.random.key(0), x[:, :1])
+
+
+def test_nnx_decode_equals_parallel_causal():
+    """NNX decoding as in flax (``init_cache`` then one token per ``decode=True`` call): the
+    feature map's recurrent state (performer) and the KV cache (softmax) reproduce the
+    parallel causal layer; a full KV cache gives NaN, not a silently overwritten prefix."""
+    x = _x(t=5)
+    for name in ("performer", "softmax"):
+        kw = dict(attention=name, attention_config=SMALL_CONFIG.get(name), rngs=nnx.Rngs(0))
+        layer = la_nn.MultiHeadAttention(H, F, **kw)
+        want = layer(x, causal=True)
+        with pytest.raises(ValueError, match="init_cache"):
+            layer(x[:, :1], decode=True)
+        layer.init_cache(x.shape)
+        got = jnp.concatenate([layer(x[:, i : i + 1], decode=True) for i in range(5)], 1)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        with pytest.raises(ValueError, match="one token"):
+            layer(x[:, :2], decode=True)
+    assert bool(jnp.all(jnp.isnan(layer(x[:, :1], decode=True))))  # softmax: cache full
+
+
+def test_linen_decode_cache_from_full_length_input():
+    """Flax's convention: the cache is created by ``init`` on the full-length input."""
+    kw = dict(num_heads=H, attention="softmax")
+    x = _x(t=4)
+    variables = la_linen.MultiHeadAttention(**kw).init(jax.random.key(0), x)
+    want = la_linen.MultiHeadAttention(**kw).apply(variables, x, causal=True)
+    dec = la_linen.MultiHeadAttention(**kw, decode=True)
+    cache = dec.init(jax.random.key(0), x)["cache"]
+    outs = []
+    for i in range(4):
+        y, upd = dec.apply({**variables, "cache": cache}, x[:, i : i + 1], mutable=["cache"])
+        cache = upd["cache"]
+        outs.append(y)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), want, rtol=1e-5, atol=1e-6)
+
+
+def test_flax_arguments_and_param_names():
+    """Flax's constructor arguments are honoured (params named as flax names them), and what
+    a mechanism cannot do raises naming the argument."""
+    x, xk = _x(t=4), _x(t=6, seed=1)
+    kw = dict(num_heads=H, normalize_qk=True, use_bias=False, kernel_init=nn.initializers.ones)
+    theirs = nn.MultiHeadDotProductAttention(**kw).init(jax.random.key(0), x, xk)
+    ours_mod = la_linen.MultiHeadAttention(**kw, attention="linear_elu")
+    ours = ours_mod.init(jax.random.key(0), x, xk)
+    shapes = lambda t: jax.tree.map(jnp.shape, nn.meta.unbox(t))  # noqa: E731
+    assert shapes(ours["params"]) == shapes(theirs["params"])
+    assert set(ours["params"]) == {"query", "key", "value", "out", "query_ln", "key_ln"}
+    assert bool(jnp.all(ours["params"]["query"]["kernel"] == 1.0))  # kernel_init used
+    assert ours_mod.apply(ours, x, xk).shape == x.shape  # cross attention
+    with pytest.raises(ValueError, match="sow_weights"):
+        ours_mod.apply(ours, x, sow_weights=True)
+    with pytest.raises(ValueError, match="dropout_rate"):
+        ours_mod.clone(dropout_rate=0.1).apply(ours, x, deterministic=True)
+    with pytest.raises(ValueError, match="attention_fn"):
+        ours_mod.clone(attention_fn=nn.dot_product_attention).apply(ours, x)
+    soft = la_linen.MultiHeadAttention(num_heads=H)
+    v = soft.init(jax.random.key(0), x)
+    _, state = soft.apply(v, x, sow_weights=True, mutable=["intermediates"])
+    assert state["intermediates"]["attention_weights"][0].shape == (2, H, 4, 4)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        la_nn.MultiHeadAttention(H, F, num_kv_heads=2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="deterministic"):  # flax: dropout needs the flag
+        la_nn.MultiHeadAttention(H, F, dropout_rate=0.1, rngs=nnx.Rngs(0))(x)
