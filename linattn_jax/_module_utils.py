@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from linattn_jax import core, registry
+from linattn_jax.ra import ra_flax_attention
 
 #: Logical axis names of the projection kernels (map them to mesh axes with rules).
 QKV_AXES = ("embed", "heads", "kv")
@@ -184,6 +185,28 @@ def _flax_softmax(q, k, v, *, bias, mask, causal, module, force_fp32_for_softmax
     )
 
 
+def _flax_ra(mech, q, k, v, rng, *, dtype, precision, dropout_rate, dropout_rng, **kw):
+    """ra with flax's mask, bias and dropout (`linattn_jax.ra.ra_flax_attention`). With
+    dropout on, ra samples with ``fold_in(rng, 1)``: flax's keep mask takes `dropout_rng`
+    itself, which is also the sampling key flax's modules hand a sampling mechanism."""
+    if rng is not None and dropout_rate > 0:
+        rng = jax.random.fold_in(rng, 1)
+    if dtype is not None:
+        q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+    num_samples = mech.defaults["num_samples"]
+    with _precision("ra", precision):
+        return ra_flax_attention(
+            q,
+            k,
+            v,
+            rng,
+            num_samples=num_samples,
+            dropout_rate=dropout_rate,
+            dropout_rng=dropout_rng,
+            **kw,
+        )
+
+
 def refuse_unsupported(name, *, bias=None, dropout_rate=0.0, module=None, einsums=(None, None)):
     """ValueError naming the first flax option a non-softmax attention cannot apply."""
     if bias is not None:
@@ -255,6 +278,23 @@ def flax_attention(
             dropout_rng=dropout_rng,
             dropout_rate=dropout_rate,
             deterministic=deterministic,
+            dtype=dtype,
+            precision=precision,
+        )
+    if name == "ra" and attend is None:
+        refuse_unsupported(name, module=module, einsums=einsums)
+        return _flax_ra(
+            mech,
+            query,
+            key,
+            value,
+            rng,
+            bias=bias,
+            mask=mask,
+            causal=causal,
+            dropout_rate=0.0 if deterministic else dropout_rate,
+            broadcast_dropout=broadcast_dropout,
+            dropout_rng=dropout_rng,
             dtype=dtype,
             precision=precision,
         )

@@ -93,16 +93,29 @@ def ra_attention(
     """
     del params
     _check_ra(q, k, v, mask, causal, rng, deterministic, num_samples)
+    valid = _ra_valid(mask, causal, q.shape[0], q.shape[1], k.shape[1])  # [B, 1, Tq, Tk]
+    return _ra(q, k, v, valid, None, None, rng, deterministic, num_samples)
+
+
+def _ra(q, k, v, valid, bias, drop, rng, deterministic, num_samples):
+    """RA over a ``[B, 1|H, Tq, Tk]`` `valid` pattern, with an optional additive `bias`
+    (broadcastable to ``[B, H, Tq, Tk]``) and a dropout multiplier `drop` on the weights of
+    ``f``. A bias b_nj enters the proposal and ``f`` alike: it is a log prior c_j = e^b_nj on
+    the keys of query n, and ``sum_j c_j exp(q.k_j) N(w; q + k_j, I)`` factors the same way
+    as without it, so ``E[out_n]`` is ``softmax(q.k / sqrt(d) + b)`` attention; `drop` is
+    linear in ``f``'s weights, so ``E[out]`` is the same dropped-out softmax attention."""
     b, tq, h, d = q.shape
     tk = k.shape[1]
     qh, kh, v32 = core.scale_inputs(q), core.scale_inputs(k), v.astype(_f32)
-    valid = _ra_valid(mask, causal, b, tq, tk)  # [B, 1, Tq, Tk]
-    pi = _masked_softmax(jnp.einsum("bihd,bjhd->bhij", qh, kh), valid, -1)  # [B, H, Tq, Tk]
+    bias = 0.0 if bias is None else jnp.asarray(bias, _f32)
+    logits = jnp.einsum("bihd,bjhd->bhij", qh, kh) + bias
+    pi = _masked_softmax(logits, valid, -1)  # [B, H, Tq, Tk]
     k_bias = jnp.transpose(_sq_half(kh), (0, 2, 1))[:, :, None, :]  # [B, H, 1, Tk]
     kh_h = jnp.transpose(kh, (0, 2, 1, 3))  # [B, H, Tk, d]
 
     def f(omega):  # [B, Tq, H, d] -> [B, Tq, H, Dv]
-        w = _masked_softmax(jnp.einsum("bihd,bjhd->bhij", omega, kh) - k_bias, valid, -1)
+        w = _masked_softmax(jnp.einsum("bihd,bjhd->bhij", omega, kh) - k_bias + bias, valid, -1)
+        w = w if drop is None else w * drop
         return jnp.einsum("bhij,bjhd->bihd", w, v32)
 
     if deterministic:
@@ -129,6 +142,55 @@ def ra_attention(
     acc0 = jnp.zeros((b, tq, h, v.shape[-1]), _f32)
     total, _ = lax.scan(jax.checkpoint(body), acc0, keys)
     return (total / num_samples).astype(q.dtype)
+
+
+def ra_flax_attention(
+    q,
+    k,
+    v,
+    rng=None,
+    *,
+    mask=None,
+    bias=None,
+    causal=False,
+    num_samples=1,
+    dropout_rate=0.0,
+    dropout_rng=None,
+    broadcast_dropout=True,
+):
+    """RA under flax's ``dot_product_attention`` conventions: any mask, bias and dropout.
+
+    `mask`: bool, broadcastable to ``[B, H, Tq, Tk]`` (True = attend; per head and per
+    query, e.g. ``nn.make_causal_mask``). `bias`: additive, broadcastable to the same.
+    ``E[out]`` is ``nn.dot_product_attention(q, k, v, bias, mask, ...)`` with the same
+    dropout (see `_ra`), except on a query row with no key to attend to (a padded query),
+    which attends as the key padding of its batch row (the keys any row attends to) here
+    and is flax's uniform average there. Dropout keeps flax's rng semantics: ``keep =
+    bernoulli(dropout_rng, 1 - dropout_rate, shape)``, shape ``[1, 1, Tq, Tk]`` with
+    `broadcast_dropout` else ``[B, H, Tq, Tk]``, scaled by ``1 / (1 - dropout_rate)``, on the
+    weights of RA's ``f``. `rng` samples (None: the deterministic form). Draws are indexed
+    by query position, so each query row's output depends on its own mask row alone.
+    """
+    _check_ra(q, k, v, None, causal, rng, rng is None, num_samples)
+    b, tq, h, _ = q.shape
+    tk = k.shape[1]
+    shape = (b, h, tq, tk)
+    valid = jnp.ones((1, 1, tq, tk), bool) if mask is None else jnp.asarray(mask, bool)
+    allowed = _ra_valid(None, causal, b, tq, tk)
+    valid = allowed & jnp.broadcast_to(valid, shape)
+    # A row with no key (a padded query) takes the key padding of its batch row, as the
+    # key-padding mechanisms do inside flax's modules; flax's own output there is meaningless.
+    pad = jnp.any(valid, axis=(1, 2))[:, None, None, :] & allowed
+    valid = jnp.where(jnp.any(valid, axis=-1, keepdims=True), valid, pad)
+    drop = None
+    if dropout_rate > 0:
+        if dropout_rng is None:
+            raise ValueError(f"dropout_rate={dropout_rate}: ra needs a dropout_rng to drop out")
+        keep_prob = 1.0 - dropout_rate
+        drop_shape = (1, 1, tq, tk) if broadcast_dropout else shape
+        keep = jax.random.bernoulli(dropout_rng, keep_prob, drop_shape)
+        drop = keep.astype(_f32) / keep_prob
+    return _ra(q, k, v, valid, bias, drop, rng, rng is None, num_samples)
 
 
 def ra_reference(
@@ -189,6 +251,7 @@ __all__ = [
     "RA",
     "ra_attention",
     "ra_draws",
+    "ra_flax_attention",
     "ra_init",
     "ra_reference",
 ]

@@ -24,6 +24,7 @@ from flax import nnx
 
 import linattn_jax as la
 from linattn_jax import registry
+from linattn_jax.ra import ra_flax_attention
 
 B, T, F, H = 2, 4, 8, 2
 D = F // H
@@ -42,6 +43,8 @@ CASES = {
     "per_head": (PER_HEAD, None, False),
     "dropout": (None, None, False),
 }
+# ra honours these exactly in expectation (its own draws): test_ra_flax_* below
+RA_OWN_TESTS = {"per_head", "dropout", "bias"}
 # what a refused case's error names
 REFUSAL = {
     "causal_undeclared": "is causal",
@@ -77,6 +80,8 @@ def _refusal(name, case):
     """None when the call must succeed, else the text its ValueError must contain."""
     if name == "softmax":
         return None  # flax's own attention: any mask, bias and dropout
+    if name == "ra" and case == "causal_undeclared":
+        return None  # ra honours any mask: the causal mask is causal attention
     if case in REFUSAL:
         return REFUSAL[case]
     if CASES[case][2] and not la.get(name).supports_causal:
@@ -116,8 +121,11 @@ def test_linen_mhdpa_and_dropin(name):
     }
     params = nn.meta.unbox(params)
     for case, (mask, key_pad, causal) in CASES.items():
+        if name == "ra" and case in RA_OWN_TESTS:
+            continue
         rate = 0.5 if case == "dropout" else 0.0
         declared = causal and case != "causal_undeclared"
+        ref_causal = causal or case == "causal_undeclared"  # ra honours the causal mask
         fn = la.linen.attention_fn(name, causal=declared, **_config(name))
         mhdpa = base.clone(dropout_rate=rate, attention_fn=fn)
         if name == "softmax":
@@ -125,7 +133,7 @@ def test_linen_mhdpa_and_dropin(name):
                 num_heads=H, dropout_rate=rate, deterministic=False
             )
         else:
-            ref = base.clone(attention_fn=_reference_fn(mech, params, key_pad, causal))
+            ref = base.clone(attention_fn=_reference_fn(mech, params, key_pad, ref_causal))
         refusal = _refusal(name, case)
         want = cache(partial(ref.apply, variables, X, mask=mask, rngs=rngs))
         _check(
@@ -168,15 +176,18 @@ def _nnx(name, rate, fn=None, **kw):
 def test_nnx_mha_and_dropin(name):
     mech = la.get(name).bind(**_config(name))
     for case, (mask, key_pad, causal) in CASES.items():
+        if name == "ra" and case in RA_OWN_TESTS:
+            continue
         rate = 0.5 if case == "dropout" else 0.0
         declared = causal and case != "causal_undeclared"
+        ref_causal = causal or case == "causal_undeclared"  # ra honours the causal mask
         det = False if rate else None
         fn = la.nn.attention_fn(name, num_heads=H, head_dim=D, rngs=nnx.Rngs(3), **_config(name))
         params = fn.mechanism_params() if hasattr(fn, "mechanism_params") else {}
         if name == "softmax":
             ref = _nnx(name, rate)
         else:
-            ref = _nnx(name, rate, _reference_fn(mech, params, key_pad, causal))
+            ref = _nnx(name, rate, _reference_fn(mech, params, key_pad, ref_causal))
         refusal = _refusal(name, case)
         want = cache(partial(ref, X, mask=mask, deterministic=det))
         mha = _nnx(name, rate, fn)
@@ -198,7 +209,7 @@ def test_nnx_mha_and_dropin(name):
         )
 
 
-@pytest.mark.parametrize("name", la.names())
+@pytest.mark.parametrize("name", [n for n in la.names() if n != "ra"])
 def test_attention_fn_bias(name):
     """Flax's modules pass no bias; a direct call in flax's convention does."""
     q, k, v = jax.random.normal(jax.random.key(4), (3, B, T, H, D))
@@ -230,3 +241,63 @@ def test_traced_mask_poisons_unrepresentable_rows():
         rtol=1e-6,
         atol=1e-6,
     )
+
+
+def _ra_case(seed):
+    """Inputs, a random per-head, per-query mask with a valid key in every row, and a bias."""
+    kq, kk, kv, km, kb = jax.random.split(jax.random.key(seed), 5)
+    q, k, v = (jax.random.normal(x, (B, T, H, D)) for x in (kq, kk, kv))
+    mask = jax.random.bernoulli(km, 0.6, (B, H, T, T)).at[..., 0].set(True)
+    return q, k, v, mask, jax.random.normal(kb, (B, H, T, T))
+
+
+def test_ra_flax_mask_rows_are_ras_key_padding_rows():
+    """RA's draws are indexed by query position: each query row under a per-head,
+    per-query flax mask equals that row of ra with the row's pattern as key padding, in
+    both the sampled and the deterministic form."""
+    q, k, v, mask, _ = _ra_case(0)
+    ra = la.get("ra")
+    rng = jax.random.key(7)
+    fn = la.linen.attention_fn("ra")
+    for r in (rng, None):
+        got = ra_flax_attention(q, k, v, r, mask=mask)
+        for h in range(H):
+            for i in range(T):
+                want = ra.attention(q, k, v, {}, r, mask=mask[:, h, i], deterministic=r is None)
+                np.testing.assert_allclose(got[:, i, h], want[:, i, h], rtol=1e-5, atol=1e-6)
+    # through flax's attention_fn signature (deterministic: no dropout_rng)
+    np.testing.assert_allclose(fn(q, k, v, mask=mask), ra_flax_attention(q, k, v, mask=mask))
+
+
+def test_ra_flax_is_unbiased_for_flax_softmax_with_mask_bias_and_dropout():
+    """The mean of S one-draw RA outputs with flax's mask, bias and dropout (the same
+    dropout_rng) is flax's ``dot_product_attention`` within 5 standard errors everywhere;
+    the same draws without the bias are not (so the bound can fail)."""
+    q, k, v, mask, bias = _ra_case(1)
+    s = 4096
+    drop = dict(dropout_rate=0.3, dropout_rng=jax.random.key(3), broadcast_dropout=False)
+    want = nn.dot_product_attention(q, k, v, bias, mask, deterministic=False, **drop)
+
+    def draws(b):
+        one = lambda r: ra_flax_attention(q, k, v, r, mask=mask, bias=b, **drop)  # noqa: E731
+        return jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(9), s))
+
+    for b, unbiased in ((bias, True), (None, False)):
+        outs = draws(b)
+        se = jnp.std(outs, axis=0, ddof=1) / np.sqrt(s)
+        z = jnp.abs(jnp.mean(outs, axis=0) - want) / (se + 1e-7)
+        assert bool(jnp.all(z < 5)) == unbiased, float(jnp.max(z))
+
+
+def test_ra_attention_fn_dropout_rng_semantics():
+    """In flax's module, ra with dropout keeps flax's keep mask (drawn from dropout_rng)
+    and samples with fold_in(dropout_rng, 1)."""
+    q, k, v, mask, bias = _ra_case(2)
+    key = jax.random.key(4)
+    fn = la.linen.attention_fn("ra")
+    got = fn(q, k, v, bias=bias, mask=mask, dropout_rng=key, dropout_rate=0.5, deterministic=False)
+    want = ra_flax_attention(
+        q, k, v, jax.random.fold_in(key, 1), mask=mask, bias=bias, dropout_rate=0.5,
+        dropout_rng=key,
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
