@@ -297,15 +297,16 @@ def _parts(variant, x, params, radius=None):
     """``(s, phi)``: log norm factor ``[B, T, H, 1]`` and trig features ``[B, T, H, 2M]``."""
     x = _normalize(x, radius)
     xh = core.scale_inputs(x)
-    if variant == "s" or radius is not None:
-        log_a = log_temperature_scale(params, x.shape[-1], qk_radius=radius)
-        xh = xh * jnp.exp(log_a)[None, None, :, None]
+    # the features of a x^ (a the per-head temperature scale): a is folded into the
+    # frequencies ([H, M, d]), not into the [B, T, H, d] input
+    a = jnp.exp(log_temperature_scale(params, x.shape[-1], qk_radius=radius))[:, None, None]
     # the features are computed heads first (the d-wide input is transposed, not the
     # 2M-wide features) and handed back in the core's layout
     xt = jnp.swapaxes(xh, 1, 2)
     if variant == "s":
-        return _log_norm_s(xh), core.heads_last(_trig_s(xt, params["omega"]))
-    trig = _trig_n(xt, params["omega1"], params["omega2"])
+        s = _log_norm_s(xh) * jnp.square(a[:, 0])[None, None]  # |a x^|^2 / 2
+        return s, core.heads_last(_trig_s(xt, a * params["omega"]))
+    trig = _trig_n(xt, a * params["omega1"], a * params["omega2"])
     # with qk_radius, |x|^2 / exp(tau) == |a x^|^2 / 2: the norm term of the scaled input
     return _log_norm_n(x, params["tau"]), core.heads_last(trig)
 

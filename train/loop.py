@@ -224,7 +224,8 @@ def train_steps(
 ):
     """Runs steps ``run.step .. num_train_steps`` with logging, evaluation and checkpoints;
     returns the final state. `diagnostics` (`train.kernel_diagnostics`), when given, adds
-    its ``kernel/...`` entries to the logged train rows (its time is not training time)."""
+    its ``kernel/...`` entries to the logged train rows (its time counts as training time:
+    it is cheap, docs/flexformer.md)."""
     num_steps = int(config.num_train_steps)
     batches = train_batches(trainer, config, run.start)
     while run.step < num_steps:
@@ -243,10 +244,7 @@ def train_steps(
             _record_window(run)
             if log_now:
                 if diagnostics is not None:
-                    t0 = time.time()
                     run.last_train.update(diagnostics(state))
-                    if run.t_mark is not None:
-                        run.t_mark += time.time() - t0
                 writer.write(step, "train", run.last_train)
         progress.update(
             1, **{k: run.last_train[k] for k in ("loss", "accuracy") if k in run.last_train}
