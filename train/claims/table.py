@@ -264,8 +264,9 @@ def flexformer_beats_linear(settings: Settings) -> Finding:
     numbers, verdict, wins, table = _compare(settings, ("flexformer_n", others))
     growth = {t: frequency_growth(settings, t) for t in table}
     why = _why(wins, settings.seeds) + (
-        " With q and k normalised (qk_radius=1) the kernel's sharpness comes from the scale of "
-        "the learned frequencies alone; the mean row norm of flexformer_n's frequencies after "
+        " With q and k normalised (qk_radius=1) the kernel's sharpness comes from its learned "
+        "temperature and the scale of the learned frequencies (docs/flexformer.md); the mean "
+        "row norm of flexformer_n's frequencies after "
         "training over their init (seed 0; None: no checkpoint): "
         + ", ".join(f"{t} {'None' if g is None else f'{g:.3f}'}" for t, g in growth.items())
     )
