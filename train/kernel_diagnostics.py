@@ -211,8 +211,9 @@ class KernelDiagnostics:
 
 def for_run(trainer, config) -> KernelDiagnostics | None:
     """The diagnostics of `trainer`'s run, or None when its mechanism learns no kernel (no
-    ``mechanism`` params) or no attention call can be captured."""
-    if not has_learnable_kernel(trainer.abstract_state.params):
+    ``mechanism`` params), when the run spans several processes (the probe is one process's
+    rows: not computed there), or when no attention call can be captured (logged)."""
+    if not has_learnable_kernel(trainer.abstract_state.params) or jax.process_count() > 1:
         return None
     try:
         return KernelDiagnostics(trainer, config)

@@ -390,7 +390,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, data=None) -> dict
         if is_main:
             _announce(progress, config, trainer, counts, start, mem)
         run = RunState(start=start, step=start, meta=meta)
-        diagnostics = kernel_diagnostics.for_run(trainer, config) if is_main else None
+        diagnostics = kernel_diagnostics.for_run(trainer, config)
         try:
             state = train_steps(
                 trainer, state, step_fn, config, run, ckpt, writer, progress, diagnostics
