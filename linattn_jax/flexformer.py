@@ -4,7 +4,8 @@ Two mechanisms, both linear attention through the shared core (`core.attend`)
 with trigonometric features of the scaled inputs ``x^ = x d^(-1/4)``:
 
 ``flexformer_s`` (stationary, Bochner). Learnable frequencies ``Omega [H, M, d]``
-(``params["omega"]``), initialised ``N(0, 1)``::
+(``params["omega"]``), initialised ``N(0, 1)``, and a learnable per-head temperature
+(``params["log_scale"] [H]``, init 0, see "Temperature" below)::
 
     phi(x)  = M^(-1/2) [cos(Omega x^); sin(Omega x^)]                  [2M features]
     phi~(x) = exp(|x|^2 / (2 sqrt d)) phi(x) = exp(|x^|^2 / 2) phi(x)
@@ -15,7 +16,8 @@ exp(q^ . k^) = exp(q . k / sqrt d)``: the unbiased random-Fourier-feature
 estimator of the softmax kernel. Training moves the spectral density.
 
 ``flexformer_n`` (non-stationary, Yaglom). Learnable frequency pairs
-``Omega1, Omega2 [H, M, d]`` (``"omega1"``, ``"omega2"``) and a scale ``tau [H]``::
+``Omega1, Omega2 [H, M, d]`` (``"omega1"``, ``"omega2"``) and a scale ``tau [H]`` (with
+``qk_radius`` set, tied to the temperature, "Temperature" below)::
 
     phi_n(x) = (4M)^(-1/2) [cos(Omega1 x^) + cos(Omega2 x^); sin(Omega1 x^) + sin(Omega2 x^)]
     phi~(x)  = exp(|x|^2 / exp(tau)) phi_n(x)
@@ -48,13 +50,14 @@ defaults:
 
 * ``qk_radius``: q and k are rescaled to ``|x^| = qk_radius`` (``|x| = qk_radius
   d^(1/4)``) before the map. The mechanism then estimates the softmax kernel of the
-  normalised inputs, ``exp(qk_radius^2 cos(q, k))``, through the same features, and the
+  normalised inputs, ``exp(qk_radius^2 cos(q, k))`` (times the learned temperature ``a^2``,
+  below), through the same features, and the
   Gaussian part stays ``>= exp(-2 qk_radius^2)``, above the error at init: every
   normalised weight row has l1 norm <= 1.53 at init on all three models (1 means no
   cancellation). Cost: one norm per token (O(T d)); attention no longer sees the q, k
-  norms, so its sharpness comes from the learned frequency scale alone, and the norm
-  factor -- and with it ``flexformer_n``'s ``tau`` -- becomes a constant that cancels
-  (``tau`` gets zero gradient).
+  norms, so its sharpness comes from the learned temperature and frequency scale, and the
+  norm factor becomes a constant that cancels (which is why ``tau`` is tied to the
+  temperature, "Temperature" below).
 * ``den_floor`` (the core's relative denominator floor, `linattn_jax.core`): training
   sharpens the learned kernels until their trigonometric sums cancel, and ``qk_radius``
   alone does not survive it -- after 200 steps the worst weight row reaches l1 = 65 - 142
@@ -69,6 +72,28 @@ defaults:
   exploding). The same 200 steps reach a lower train loss with it (docs/activations.md).
   Cost: one extra feature column and an O(T) mass sum. The features (`FeatureMap.query` /
   ``key``) carry the mass channel as their last column when ``den_floor > 0``.
+
+Temperature (issue 35). Normalising q, k makes the norm term a constant, so without more
+the kernel's sharpness could only come from the frequencies' norms, which Adam grows by at
+most ~20% in a 500-step run (1.7% measured), and ``tau`` was dead (gradient 2.6e-5 of the
+frequencies'). Both variants therefore scale the normalised ``x^`` by a learnable per-head
+``a = exp(log a)`` before the map (features of ``a x^``, norm term ``exp(|a x^|^2 / 2)``), so
+the estimated kernel is ``exp(a^2 qk_radius^2 cos(q, k))``, a softmax of learnable
+temperature; log space makes each Adam step a relative change of ``a``.
+
+* ``flexformer_s``: ``log a = params["log_scale"]``, init 0. It applies with
+  ``qk_radius=None`` too (the raw map of ``a x``; at init exactly the seed's map).
+* ``flexformer_n``: ``tau`` is tied to the scale, no new parameter: ``a^2 = 2 sqrt d /
+  exp(tau)``, i.e. ``log a = (log(2 sqrt d) - tau) / 2`` (0 at the init ``tau = log(2 sqrt
+  d)``). This is the paper's own norm term: ``exp(|x|^2 / exp(tau)) = exp(|a x^|^2 / 2)``
+  for the normalised ``x``, and the tie makes the frequencies see the same scaled input, so
+  ``tau`` keeps the paper's meaning (the scale replacing ``2 sqrt d``) and now acts as the
+  kernel's temperature. With ``qk_radius=None`` the seed's raw map is kept as the paper
+  writes it: ``tau`` enters the norm term only.
+
+At init ``a = 1``: outputs are those of the map without the scale (tested). The scale gets a
+gradient of the frequencies' order (tests/test_mechanism_gradients.py). `log_temperature_scale`
+reads ``log a`` off the params.
 
 The main job's train loss after 30 steps agrees on one device, an (8, 1) and a (2, 4) mesh
 to 2.4e-7 (softmax's exactly). The seed applies the map to the raw inputs with the plain
@@ -93,7 +118,8 @@ Options: ``learn_frequencies=False`` (attention keyword, and the same keyword of
 `Mechanism.fixed_params`) freezes the frequencies -- ``stop_gradient`` in the
 attention and reported as non-trainable, so optimisers and weight decay leave
 them alone: this is the fixed-kernel RFF softmax estimator the seed compares
-against. ``init_method="orthogonal"`` draws the frequencies as stacked
+against (the temperature, ``log_scale`` / ``tau``, stays learnable).
+``init_method="orthogonal"`` draws the frequencies as stacked
 orthogonal blocks with chi-distributed row norms
 (`linattn_jax.performer.orthogonal_features`), still marginally ``N(0, I)`` per
 row, so the estimator stays unbiased with lower variance. ``pair_init``
@@ -143,9 +169,13 @@ def _check_init(name, num_heads, head_dim, num_features, init_method):
 def init_s(
     rng, *, num_heads: int, head_dim: int, num_features: int = 128, init_method: str = "gaussian"
 ):
-    """``{"omega": [H, M, d]}`` i.i.d. ``N(0, 1)`` (or orthogonal blocks, see module doc)."""
+    """``{"omega": [H, M, d], "log_scale": [H]}``: ``omega`` i.i.d. ``N(0, 1)`` (or orthogonal
+    blocks, see module doc), ``log_scale = 0`` (the temperature at init is 1: the seed's map)."""
     _check_init("flexformer_s", num_heads, head_dim, num_features, init_method)
-    return {"omega": _draw_frequencies(rng, num_heads, num_features, head_dim, init_method)}
+    return {
+        "omega": _draw_frequencies(rng, num_heads, num_features, head_dim, init_method),
+        "log_scale": jnp.zeros((num_heads,), _f32),
+    }
 
 
 def init_n(
@@ -247,16 +277,37 @@ def _normalize(x, radius):
     return x * (radius * x.shape[-1] ** 0.25 / norm)
 
 
+def log_temperature_scale(params, head_dim, *, qk_radius=QK_RADIUS):
+    """The per-head log of the scale ``a`` the map applies to ``x^`` (``[H]`` float32).
+
+    ``flexformer_s``: ``params["log_scale"]`` (any `qk_radius`). ``flexformer_n``: ``(log(2
+    sqrt d) - tau) / 2`` when `qk_radius` is set (tau tied to the scale: ``a^2 = 2 sqrt d /
+    exp(tau)``, 0 at init), 0 with ``qk_radius=None`` (the seed's raw map, where tau acts
+    through the norm term only). The kernel estimated at init is ``exp(a^2 q^ . k^)``.
+    """
+    if _variant(params) == "s":
+        return params["log_scale"].astype(_f32)
+    tau = params["tau"].astype(_f32)
+    if qk_radius is None:
+        return jnp.zeros_like(tau)
+    return 0.5 * (math.log(2.0 * math.sqrt(head_dim)) - tau)
+
+
 def _parts(variant, x, params, radius=None):
     """``(s, phi)``: log norm factor ``[B, T, H, 1]`` and trig features ``[B, T, H, 2M]``."""
     x = _normalize(x, radius)
     xh = core.scale_inputs(x)
+    # the features of a x^ (a the per-head temperature scale): a is folded into the
+    # frequencies ([H, M, d]), not into the [B, T, H, d] input
+    a = jnp.exp(log_temperature_scale(params, x.shape[-1], qk_radius=radius))[:, None, None]
     # the features are computed heads first (the d-wide input is transposed, not the
     # 2M-wide features) and handed back in the core's layout
     xt = jnp.swapaxes(xh, 1, 2)
     if variant == "s":
-        return _log_norm_s(xh), core.heads_last(_trig_s(xt, params["omega"]))
-    trig = _trig_n(xt, params["omega1"], params["omega2"])
+        s = _log_norm_s(xh) * jnp.square(a[:, 0])[None, None]  # |a x^|^2 / 2
+        return s, core.heads_last(_trig_s(xt, a * params["omega"]))
+    trig = _trig_n(xt, a * params["omega1"], a * params["omega2"])
+    # with qk_radius, |x|^2 / exp(tau) == |a x^|^2 / 2: the norm term of the scaled input
     return _log_norm_n(x, params["tau"]), core.heads_last(trig)
 
 
@@ -284,13 +335,13 @@ def feature_map_n(x, params, *, is_query: bool, mask=None, qk_radius=QK_RADIUS):
 
 def _variant(params):
     keys = set(params)
-    if keys == {"omega"}:
+    if keys == {"omega", "log_scale"}:
         return "s"
     if keys == {"omega1", "omega2", "tau"}:
         return "n"
     raise ValueError(
-        "flexformer: params must be flexformer_s params {'omega'} or flexformer_n params "
-        f"{{'omega1', 'omega2', 'tau'}}, got keys {sorted(keys)}"
+        "flexformer: params must be flexformer_s params {'omega', 'log_scale'} or flexformer_n "
+        f"params {{'omega1', 'omega2', 'tau'}}, got keys {sorted(keys)}"
     )
 
 
@@ -315,7 +366,8 @@ def kernel(q, k, params, *, qk_radius=QK_RADIUS):
 def trig_kernel(q, k, params):
     """The trigonometric part ``phi(q_i) . phi(k_j)`` (``phi_n`` for ``flexformer_n``) as
     ``[B, H, Tq, Tk]`` float32, without the norm factors: the Bochner (stationary) resp.
-    Yaglom (non-stationary) kernel the frequencies define."""
+    Yaglom (non-stationary) kernel the frequencies define, on the raw inputs
+    (``qk_radius=None``: ``flexformer_s``'s temperature applies, ``tau`` does not)."""
     variant = _variant(params)
     _, pq = _parts(variant, q, params)
     _, pk = _parts(variant, k, params)
@@ -417,7 +469,7 @@ def _attention_fn(name: str, *, quadratic: bool, doc: str):
         _checks.check_positive(name, chunk_size=chunk_size)
         h, d = q.shape[2], q.shape[3]
         freq_keys = ("omega",) if name == "flexformer_s" else ("omega1", "omega2")
-        extra = None if name == "flexformer_s" else {"tau": (h,)}
+        extra = {"log_scale" if name == "flexformer_s" else "tau": (h,)}
         _check_freqs(name, params, freq_keys, h, d, extra)
         _check_map_config(name, qk_radius, den_floor)
         params = dict(params)

@@ -187,6 +187,45 @@ def test_n_equals_s_at_init(causal):
     _close(a_n, a_s, 1e-5, "kernels at init")
 
 
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_temperature_scale(name, causal):
+    """The learnable per-head scale: at init it is 1 (log 0), so the attention equals the map
+    without it (the normalised inputs fed to the raw map unscaled); moving it by ``g`` (``s``:
+    ``log_scale + g``; ``n``: ``tau - 2 g``, the tie) equals scaling ``qk_radius`` by ``e^g``.
+    With ``qk_radius=None``, flexformer_n's tau acts through the norm term only (the seed's
+    map), flexformer_s's scale multiplies the raw inputs."""
+    q, k, v = _inputs(jax.random.key(44), t=9)
+    mask = _mask(2, 9)
+    mech = la.get(name)
+    p = mech.init(jax.random.key(45), num_heads=2, head_dim=8, num_features=16)
+    np.testing.assert_array_equal(ff.log_temperature_scale(p, 8), 0.0)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True) * 8**0.25  # noqa: E731
+    out0 = _jit(name)(q, k, v, p, mask=mask, causal=causal, chunk_size=4)
+    raw0 = _jit(name, qk_radius=None)(unit(q), unit(k), v, p, mask=mask, causal=causal)
+    _close(out0, raw0, 1e-5, "scale at init: the unscaled map")
+    g = jnp.array([0.3, -0.2])
+    key = "log_scale" if name == "flexformer_s" else "tau"
+    moved = {**p, key: p[key] + (g if name == "flexformer_s" else -2.0 * g)}
+    np.testing.assert_allclose(ff.log_temperature_scale(moved, 8), g, rtol=1e-5, atol=1e-6)
+    out = _jit(name)(q, k, v, moved, mask=mask, causal=causal, chunk_size=4)
+    for hd in range(2):  # per head: the radius e^g_h
+        r = float(jnp.exp(g[hd]))
+        ref = _jit(name, qk_radius=r)(q, k, v, p, mask=mask, causal=causal, chunk_size=4)
+        _close(out[:, :, hd], ref[:, :, hd], 1e-5, f"head {hd}: scale e^g == radius e^g")
+    assert float(jnp.max(jnp.abs(out - out0))) > 1e-3  # the scale does something
+    raw = _jit(name, qk_radius=None)(q, k, v, moved, mask=mask, causal=causal)
+    if name == "flexformer_n":  # raw map: tau only in exp(|x|^2 / exp(tau)), not the trig part
+        np.testing.assert_array_equal(ff.log_temperature_scale(moved, 8, qk_radius=None), 0.0)
+        _close(ff.trig_kernel(q, k, moved), ff.trig_kernel(q, k, p), 0, "raw trig part")
+        raw0 = _jit(name, qk_radius=None)(q, k, v, p, mask=mask, causal=causal)
+        assert float(jnp.max(jnp.abs(raw - raw0))) > 1e-3  # tau acts through the norm term
+    else:
+        e = jnp.exp(g)[None, None, :, None]
+        ref = _jit(name, qk_radius=None)(e * q, e * k, v, p, mask=mask, causal=causal)
+        _close(raw, ref, 1e-5, "raw map: the scale multiplies the inputs")
+
+
 # --------------------------------------------------------------------------- estimator quality
 
 
@@ -386,13 +425,15 @@ def test_qk_radius_normalises_inputs(name):
     mask = _mask(2, 9)
     unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True) * 8**0.25  # noqa: E731
     norms = jnp.linspace(0.1, 5.0, 9)[None, :, None, None]
+    # the raw map has no temperature for flexformer_n: apply its tied scale by hand
+    a = jnp.exp(ff.log_temperature_scale(p, 8))[None, None, :, None]
+    a = jnp.ones_like(a) if name == "flexformer_s" else a
     out = _jit(name)(q * norms, k * norms[:, ::-1], v, p, mask=mask)
-    raw = _jit(name, qk_radius=None)(unit(q), unit(k), v, p, mask=mask)
+    raw = _jit(name, qk_radius=None)(a * unit(q), a * unit(k), v, p, mask=mask)
     _close(out, raw, 1e-5, "qk_radius=1 vs raw map on unit inputs")
     half = _jit(name, qk_radius=0.5)(q, k, v, p, mask=mask)
-    _close(
-        half, _jit(name, qk_radius=None)(0.5 * unit(q), 0.5 * unit(k), v, p, mask=mask), 1e-5, "r"
-    )
+    raw_half = _jit(name, qk_radius=None)(0.5 * a * unit(q), 0.5 * a * unit(k), v, p, mask=mask)
+    _close(half, raw_half, 1e-5, "r")
     for bad in (0.0, -1.0, True, "1"):
         with pytest.raises(ValueError, match="qk_radius"):
             la.get(name).attention(q, k, v, p, qk_radius=bad)

@@ -22,8 +22,8 @@ MECH_PARAMS = {
     "performer": 0,  # features are fixed, not trained
     "rfa": H * D,  # sigma
     "hedgehog": H * D * D + H * D,
-    "flexformer_s": H * 32 * D,
-    "flexformer_n": 2 * H * 32 * D + H,
+    "flexformer_s": H * 32 * D + H,  # omega, log_scale
+    "flexformer_n": 2 * H * 32 * D + H,  # omega1, omega2, tau
 }
 
 

@@ -71,7 +71,7 @@ import jax
 import numpy as np
 
 from train import checkpoint as ckpt_lib
-from train import guard
+from train import guard, kernel_diagnostics
 from train import metrics as metrics_lib
 
 # re-exported: the names `train.loop` held before the trainer and workloads moved out
@@ -219,9 +219,13 @@ def evaluate_and_track(trainer, state, config, run: RunState, ckpt, writer, prog
         )
 
 
-def train_steps(trainer, state, step_fn, config, run: RunState, ckpt, writer, progress):
+def train_steps(
+    trainer, state, step_fn, config, run: RunState, ckpt, writer, progress, diagnostics=None
+):
     """Runs steps ``run.step .. num_train_steps`` with logging, evaluation and checkpoints;
-    returns the final state."""
+    returns the final state. `diagnostics` (`train.kernel_diagnostics`), when given, adds
+    its ``kernel/...`` entries to the logged train rows (its time counts as training time:
+    it is cheap, docs/flexformer.md)."""
     num_steps = int(config.num_train_steps)
     batches = train_batches(trainer, config, run.start)
     while run.step < num_steps:
@@ -239,6 +243,8 @@ def train_steps(trainer, state, step_fn, config, run: RunState, ckpt, writer, pr
         if log_now or eval_now or ckpt_now:
             _record_window(run)
             if log_now:
+                if diagnostics is not None:
+                    run.last_train.update(diagnostics(state))
                 writer.write(step, "train", run.last_train)
         progress.update(
             1, **{k: run.last_train[k] for k in ("loss", "accuracy") if k in run.last_train}
@@ -403,16 +409,37 @@ def _train_and_evaluate(config, workdir: Path, data, is_main: bool) -> dict[str,
         if is_main:
             _announce(progress, config, trainer, counts, start, mem)
         run = RunState(start=start, step=start, meta=meta)
+        diagnostics = kernel_diagnostics.for_run(trainer, config)
         try:
-            state = train_steps(trainer, state, step_fn, config, run, ckpt, writer, progress)
+            state = train_steps(
+                trainer, state, step_fn, config, run, ckpt, writer, progress, diagnostics
+            )
         finally:
             progress.close()
         final = final_evaluation(trainer, state, config, run, writer)
 
     summary = make_summary(config, workdir, trainer, run, final, counts, mem, t_start)
+    if diagnostics is not None:
+        diagnostics(state)  # the end values of the state the run ends with
+        summary["kernel"] = diagnostics.summary()
     if is_main:
         save_summary(config, workdir, summary)
+        if diagnostics is not None and config.plot:
+            _plot_kernel(config, workdir, summary)
     return summary
+
+
+def _plot_kernel(config, workdir: Path, summary: dict) -> None:
+    try:
+        png = kernel_diagnostics.plot_kernel(
+            workdir / "metrics.jsonl", workdir / "kernel.png", title=f"{config.attention} kernel"
+        )
+    except Exception as e:  # a plot must never lose a finished run
+        log.warning("kernel plot failed: %s", e)
+        return
+    if png is not None:
+        summary["kernel_plot"] = str(png)
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
@@ -465,6 +492,9 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         )
     parts.append(f"host max RSS {mem.get('host_maxrss_bytes', 0) / 2**20:.0f} MiB (getrusage)")
     lines.append("memory: " + "; ".join(parts))
+    kernel = kernel_diagnostics.format_line(summary)
+    if kernel:
+        lines.append(kernel)
     lines.append(
         f"workdir: {summary['workdir']}"
         + (f", plot {summary['plot']}" if summary.get("plot") else "")

@@ -124,42 +124,68 @@ def ema_params(opt_state):
     return found[0].ema if found else None
 
 
-def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """adamw(schedule) with LRA's betas, global-norm clipping, a weight-decay mask and, when
-    ``config.ema_decay > 0``, a parameter EMA (`param_ema`).
+def _path_names(path) -> list[str]:
+    return [str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", "")))) for p in path]
 
-    Decayed: params with ``ndim >= 2`` (kernels, embeddings), except biases and norm scales
-    of any rank (the q/k/v projections' biases are ``[heads, head_dim]``), attention-mechanism
-    params (unless ``config.decay_mechanism_params``) and params named in
-    ``config.no_decay_params``.
+
+def is_mechanism_param(path) -> bool:
+    """Whether the param at `path` (a `jax.tree_util` key path) is an attention mechanism's:
+    one component of the path is named ``mechanism`` (where `linattn_jax.linen` keeps the
+    learnable params of every mechanism: flexformer frequencies and temperature, rfa's
+    sigma, hedgehog's maps, laplacian's lambda and filters, lara's learned proposals)."""
+    return "mechanism" in _path_names(path)
+
+
+def mechanism_mask(params):
+    """True on every leaf of `params` that `is_mechanism_param`."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: is_mechanism_param(path), params)
+
+
+def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """adamw(schedule) with LRA's betas, global-norm clipping, per-group settings for the
+    attention mechanisms' params and, when ``config.ema_decay > 0``, a parameter EMA
+    (`param_ema`).
+
+    Two groups (`mechanism_mask`) after one clipping of the global norm: the mechanisms'
+    params (`is_mechanism_param`) get the learning rate times ``config.mechanism_lr_mult``
+    and decoupled weight decay ``config.mechanism_weight_decay`` (every leaf, any rank; 0 =
+    none); the rest get ``config.learning_rate`` and ``config.weight_decay`` on params with
+    ``ndim >= 2`` (kernels, embeddings), except biases and norm scales of any rank (the
+    q/k/v projections' biases are ``[heads, head_dim]``) and params named in
+    ``config.no_decay_params``. Both share the schedule's shape. This is
+    ``optax.multi_transform`` of two adamw's written as one chain (Adam is elementwise, so
+    one ``scale_by_adam`` serves both groups; the groups differ in masked decay and a
+    masked scale): the optimizer state keeps one leaf tree per moment, shaped and sharded
+    like the params (a multi_transform state holds masked placeholders instead).
     """
     schedule = learning_rate_schedule(config)
     no_decay = set(config.get("no_decay_params", ()) or ())
+    lr_mult = float(config.get("mechanism_lr_mult", 1.0))
+    mech_wd = float(config.get("mechanism_weight_decay", 0.0))
+    if not lr_mult > 0:
+        raise ValueError(f"mechanism_lr_mult must be > 0, got {lr_mult}")
+    if not mech_wd >= 0:
+        raise ValueError(f"mechanism_weight_decay must be >= 0, got {mech_wd}")
 
     def decay_mask(params):
         def keep(path, x):
-            names = [getattr(p, "key", getattr(p, "name", "")) for p in path]
-            if "mechanism" in names and not config.decay_mechanism_params:
+            names = _path_names(path)
+            if is_mechanism_param(path) or no_decay.intersection(names):
                 return False
-            if no_decay.intersection(names) or names[-1] in ("bias", "scale"):
-                return False
-            return x.ndim >= 2
+            return names[-1] not in ("bias", "scale") and x.ndim >= 2
 
         return jax.tree_util.tree_map_with_path(keep, params)
 
     parts = []
     if config.grad_clip_norm:
         parts.append(optax.clip_by_global_norm(float(config.grad_clip_norm)))
-    parts.append(
-        optax.adamw(
-            schedule,
-            b1=float(config.b1),
-            b2=float(config.b2),
-            eps=float(config.eps),
-            weight_decay=float(config.weight_decay),
-            mask=decay_mask,
-        )
-    )
+    parts += [
+        optax.scale_by_adam(b1=float(config.b1), b2=float(config.b2), eps=float(config.eps)),
+        optax.add_decayed_weights(float(config.weight_decay), decay_mask),
+        optax.add_decayed_weights(mech_wd, mechanism_mask),
+        optax.scale_by_learning_rate(schedule),
+        optax.masked(optax.scale(lr_mult), mechanism_mask),
+    ]
     if float(config.get("ema_decay", 0.0) or 0.0) > 0.0:
         parts.append(param_ema(float(config.ema_decay)))
     return optax.chain(*parts), schedule
@@ -471,8 +497,10 @@ __all__ = [
     "ema_params",
     "eval_variables",
     "learning_rate_schedule",
+    "is_mechanism_param",
     "make_optimizer",
     "memory_analysis_dict",
+    "mechanism_mask",
     "param_ema",
     "restore_run",
 ]

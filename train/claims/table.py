@@ -423,8 +423,9 @@ def flexformer_beats_linear(settings: Settings) -> Finding:
     growth = {t: frequency_growth(settings, t) for t in tasks}
     why = (
         "The paper compares LRA averages. With q and k normalised (qk_radius=1) the kernel's "
-        "sharpness comes from the scale of the learned frequencies alone; their mean row norm "
-        "after training over init (seed 0; None: no checkpoint): "
+        "sharpness comes from its learned temperature and the scale of the learned frequencies "
+        "(docs/flexformer.md); the mean row norm of flexformer_n's frequencies after training "
+        "over their init (seed 0; None: no checkpoint): "
         + ", ".join(f"{t} {'None' if g is None else f'{g:.3f}'}" for t, g in growth.items())
     )
     data = {"average": avg, "per": per, "frequency_growth": growth}

@@ -73,7 +73,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.warmup_steps = 50  # linear warmup from 0 to learning_rate
     c.end_lr_fraction = 0.0  # cosine: final lr as a fraction of the peak
     c.weight_decay = 0.0  # decoupled (adamw) decay of kernels / embeddings (ndim >= 2, no biases)
-    c.decay_mechanism_params = False  # also decay attention-mechanism params (e.g. frequencies)
+    # attention-mechanism params (path component "mechanism": flexformer frequencies and
+    # temperature, rfa sigma, hedgehog, laplacian, lara proposals): their own lr and decay
+    c.mechanism_lr_mult = 1.0  # their learning rate = learning_rate * this (same schedule)
+    c.mechanism_weight_decay = 0.0  # their decoupled weight decay (every leaf; 0 = none)
     c.no_decay_params = ()  # param names never decayed, e.g. ("pos_embed", "cls") as in DeiT
     c.b1 = 0.9  # Adam beta1
     c.b2 = 0.98  # Adam beta2 (LRA)

@@ -1,0 +1,97 @@
+"""Kernel diagnostics while training (train/kernel_diagnostics.py): the ``kernel/...``
+entries, their values on known params, and their place in a run (metrics, plot, summary)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from test_train import tiny_config, toy_task
+
+from train import kernel_diagnostics as kd
+from train import loop
+from train.loop import Trainer
+
+KEYS = {"freq_norm_ratio", "scale_ratio", "neg_weight_frac", "entropy_ratio", "shift_gap"}
+
+
+def test_weight_stats_on_known_rows():
+    """Uniform rows have entropy ratio 1, one-hot rows 0; invisible pairs and rows with one
+    visible key are left out; the negative share counts visible pairs only."""
+    w = jnp.array(
+        [
+            [0.25, 0.25, 0.25, 0.25],  # uniform: 1
+            [1.0, 0.0, 0.0, 0.0],  # one-hot: 0
+            [1.5, -0.5, 0.0, 0.0],  # one negative of 4 visible
+            [1.0, -7.0, 0.0, 0.0],  # one visible key (the -7 is masked): no entropy
+        ]
+    )[None, None]
+    visible = jnp.array([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]], bool)
+    neg, ent = kd.weight_stats(w, visible[None, None])
+    np.testing.assert_allclose(float(neg), 1 / 13, rtol=1e-6)
+    p = np.array([0.75, 0.25])
+    want = (1.0 + 0.0 + float(-(p * np.log(p)).sum() / math.log(4))) / 3
+    np.testing.assert_allclose(float(ent), want, rtol=1e-6)
+
+
+def _moved(params, freq, tau_shift):
+    def move(path, x):
+        name = str(getattr(path[-1], "key", ""))
+        if name.startswith("omega"):
+            return x * freq
+        return x + tau_shift if name == "tau" else x
+
+    return jax.tree_util.tree_map_with_path(move, params)
+
+
+def test_entries_on_known_params():
+    """At init both ratios are 1 exactly; frequencies x1.5 and tau - 2 log 2 (the scale
+    doubled, the tie of linattn_jax.flexformer) read 1.5 and 2. Every entry is present and in
+    range; hedgehog (positive features) has no negative weights and no frequency entries;
+    softmax has no diagnostics."""
+    task = toy_task()
+    config = tiny_config("flexformer_n", num_features=4)
+    trainer = Trainer(config, task, devices=jax.devices()[:1])
+    diag = kd.for_run(trainer, config)
+    start = diag.start
+    assert set(start) == {kd.PREFIX + k for k in KEYS}
+    assert start["kernel/freq_norm_ratio"] == 1.0 and start["kernel/scale_ratio"] == 1.0
+    assert 0.0 <= start["kernel/neg_weight_frac"] < 0.5
+    assert 0.5 < start["kernel/entropy_ratio"] <= 1.0 + 1e-6
+    assert 0.0 <= start["kernel/shift_gap"] < 1e-3  # pairs 0.1 apart: nearly stationary
+    state = trainer.init_state()
+    moved = state.replace(params=_moved(state.params, 1.5, -2 * math.log(2.0)))
+    got = diag(moved)
+    np.testing.assert_allclose(got["kernel/freq_norm_ratio"], 1.5, rtol=1e-5)
+    np.testing.assert_allclose(got["kernel/scale_ratio"], 2.0, rtol=1e-5)
+    assert got["kernel/entropy_ratio"] < start["kernel/entropy_ratio"]  # sharper kernel
+    assert diag.summary() == {"start": start, "end": got}
+
+    hh = tiny_config("hedgehog")
+    hh_diag = kd.for_run(Trainer(hh, task, devices=jax.devices()[:1]), hh)
+    assert set(hh_diag.start) == {"kernel/neg_weight_frac", "kernel/entropy_ratio"}
+    assert hh_diag.start["kernel/neg_weight_frac"] == 0.0
+    assert kd.for_run(Trainer(tiny_config("softmax"), task), tiny_config("softmax")) is None
+
+
+def test_run_logs_plots_and_summarises(tmp_path):
+    """A run writes the entries on its train rows (every log_every steps), kernel.png beside
+    curves.png, and start / end values in summary.json and the printed summary."""
+    config = tiny_config("flexformer_n", num_features=4)
+    config.update(num_train_steps=4, log_every=2, eval_every=4, checkpoint_every=4)
+    config.update(progress_bar=False, tensorboard=False, compile_memory_analysis=False)
+    config.mechanism_lr_mult = 10.0
+    summary = loop.train_and_evaluate(config, tmp_path, data=toy_task())
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["split"] == "train"]
+    assert [r["step"] for r in train] == [2, 4]
+    for r in train:
+        assert {kd.PREFIX + k for k in KEYS} <= set(r)
+    assert (tmp_path / "kernel.png").stat().st_size > 0 and (tmp_path / "curves.png").exists()
+    kernel = json.loads((tmp_path / "summary.json").read_text())["kernel"]
+    assert kernel["end"]["kernel/scale_ratio"] == train[-1]["kernel/scale_ratio"]
+    assert kernel["start"]["kernel/scale_ratio"] == 1.0 != kernel["end"]["kernel/scale_ratio"]
+    assert "kernel (init -> end): entropy_ratio" in loop.format_summary(summary)
