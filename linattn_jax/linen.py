@@ -61,28 +61,31 @@ from linattn_jax import parallel
 _default_kernel_init = nn.initializers.lecun_normal()
 
 
-def _init_one(rng, mech, num_heads, head_dim, key):
-    return mech.init(rng, num_heads=num_heads, head_dim=head_dim)[key]
-
-
 def mechanism_variables(module: nn.Module, mech, num_heads: int, head_dim: int) -> dict:
     """The mechanism's params, created on (or read from) `module`: each trainable one a
     ``params`` entry, each fixed one a ``fixed`` entry, named as in ``mech.init``, with the
     logical name ``"heads"`` on the head axis. Nothing is created for a mechanism without
-    params."""
+    params. All of them come from one ``mech.init`` call (drawn with the rng flax hands the
+    first one), so params drawn together keep their relation (e.g. flexformer_n's pairs,
+    ``Omega2 = Omega1 + jitter``)."""
     fixed = mech.fixed_params()
+    drawn: dict = {}
+
+    def init(rng, key):
+        if not drawn:
+            drawn.update(mech.init(rng, num_heads=num_heads, head_dim=head_dim))
+        return drawn[key]
+
     out = {}
     for key, names in mu.param_axes(mech, num_heads, head_dim).items():
-        init = functools.partial(
-            _init_one, mech=mech, num_heads=num_heads, head_dim=head_dim, key=key
-        )
+        one = functools.partial(init, key=key)
         if names is not None:
-            init = nn.with_logical_partitioning(init, names)
+            one = nn.with_logical_partitioning(one, names)
         if key in fixed:
-            var = module.variable("fixed", key, lambda f=init: f(module.make_rng("params")))
+            var = module.variable("fixed", key, lambda f=one: f(module.make_rng("params")))
             out[key] = nn.meta.unbox(var.value)
         else:
-            out[key] = module.param(key, init)
+            out[key] = module.param(key, one)
     return out
 
 

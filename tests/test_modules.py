@@ -309,3 +309,17 @@ def test_flax_arguments_and_param_names():
         la_nn.MultiHeadAttention(H, F, num_kv_heads=2, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="deterministic"):  # flax: dropout needs the flag
         la_nn.MultiHeadAttention(H, F, dropout_rate=0.1, rngs=nnx.Rngs(0))(x)
+
+
+def test_mechanism_params_drawn_together_keep_their_relation():
+    """Every mechanism param of a layer comes from one ``mech.init`` call: linen's
+    params equal ``mech.init`` with one rng, so flexformer_n's pairs start 0.1-jittered
+    copies (drawn one by one, they were independent and the kernel non-stationary at init)."""
+    layer = la_linen.MultiHeadAttention(num_heads=2, attention="flexformer_n")
+    x = jnp.ones((1, 4, 16))
+    got = nn.meta.unbox(layer.init(jax.random.key(0), x)["params"]["mechanism"])
+    diff = got["omega2"] - got["omega1"]
+    assert 0.05 < float(jnp.std(diff)) < 0.2 < float(jnp.std(got["omega1"]))
+    nnx_layer = la_nn.MultiHeadAttention(2, 16, attention="flexformer_n", rngs=nnx.Rngs(0))
+    m = nnx_layer.mechanism
+    assert 0.05 < float(jnp.std(m["omega2"][...] - m["omega1"][...])) < 0.2
