@@ -487,6 +487,7 @@ MECHANISM_S = register(
         stochastic=False,
         fixed_fn=_fixed_s,
         feature_map_spec=FEATURE_MAPS["flexformer_s"],
+        params_config_fn=lambda params: {"num_features": params["omega"].shape[1]},
         description="learnable spectral RFF, stationary (Bochner); Flexformer_s, O(T)",
     )
 )
@@ -501,6 +502,7 @@ MECHANISM_N = register(
         stochastic=False,
         fixed_fn=_fixed_n,
         feature_map_spec=FEATURE_MAPS["flexformer_n"],
+        params_config_fn=lambda params: {"num_features": params["omega1"].shape[1]},
         description="learnable spectral RFF pairs + scale, non-stationary (Yaglom); "
         "Flexformer_n, O(T)",
     )

@@ -39,9 +39,18 @@ def init(rng, *, num_heads: int, head_dim: int, num_features: int = 128, gate: b
     return params
 
 
+#: Floor of the squared norm in `_unit` (vectors shorter than 1e-12 are scaled by 1e12
+#: instead of normalised; an all-zero one stays zero). Large enough that the derivative of
+#: its rsqrt, ``-_TINY_SQ^(-3/2) / 2``, is finite in float32, so the zero gradient that
+#: reaches it through the maximum stays 0 (a norm inside the maximum gave 0 * inf = NaN).
+_TINY_SQ = 1e-24
+
+
 def _unit(x):
+    """``x / |x|`` along the last axis (float32); an all-zero x gives zeros, with finite
+    gradients: the floor acts on the squared norm, so no square root is differentiated at 0."""
     x = x.astype(jnp.float32)
-    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-6)
+    return x * lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), _TINY_SQ))
 
 
 def feature_map(x, params, features=None):
@@ -145,6 +154,7 @@ MECHANISM = register(
         stochastic=True,
         fixed_fn=lambda: frozenset({"features"}),
         feature_map_spec=FEATURE_MAP,
+        params_config_fn=lambda params: {"num_features": params["features"].shape[1]},
         description="random feature attention, trig features, learnable sigma, gate (Peng et al. "
         "2021), O(T)",
     )
