@@ -345,8 +345,7 @@ def spectral_samples(params):
 
 
 def _check_freqs(name, params, keys, h, d, extra=None):
-    if keys[0] not in params:
-        raise ValueError(f"{name}: params is missing {keys[0]!r}; got keys {sorted(params)}")
+    _checks.require_params(name, params, keys[0])
     w = params[keys[0]]
     if w.ndim != 3 or w.shape[0] != h or w.shape[2] != d:
         raise ValueError(

@@ -126,7 +126,6 @@ class Mechanism:
           ValueError: a size (`SIZE_KEYS`) that is not an int >= 1.
         """
         self._check_keys(config)
-        _check_sizes(self.name, config)
         for key, value in config.items():
             try:
                 hash(value)
@@ -135,6 +134,7 @@ class Mechanism:
                     f"mechanism {self.name!r}: config {key}={value!r} must be hashable "
                     "(config is static under jit)"
                 ) from e
+        _check_sizes(self.name, config)
         merged = MappingProxyType({**self.config, **config})
         return dataclasses.replace(self, config=merged)
 
