@@ -23,7 +23,7 @@ landmark matrices like the mechanisms build (segment means of 1024 unit-Gaussian
 m = 64, Laplace kernel at lambda = d / 2): the symmetric A = kappa(K~, K~) (sigma_min(P) 0.21,
 sigma_max 37) converges in 20 steps (4.7e-6); the non-symmetric A = kappa(Q~, K~) (sigma_min
 2.8e-5) is still at 0.3 after 20 steps, 0.08 after 30 and diverges in float32 after 40 (2.1,
-then 12 at 60). Hence laplacian's shared landmarks (linattn_jax/nystrom.py). With
+then 12 at 60). Hence laplacian's shared landmarks (linattn_jax/laplacian.py). With
 near-duplicate landmarks the max row sum grows to the cluster size (up to m when all
 landmarks coincide) while mu_min stays ~eps = 0.01, so 20 steps only converge when
 max_row_sum(P) <~ 3.6; otherwise the directions of the smallest eigenvalues are left

@@ -20,8 +20,11 @@ from linattn_jax import rfa  # noqa: F401
 from linattn_jax import hedgehog  # noqa: F401
 from linattn_jax import flexformer  # noqa: F401  (flexformer_s, flexformer_n)
 
-from linattn_jax import nystrom  # noqa: F401  (nystromformer, soft, laplacian)
-from linattn_jax import randomized  # noqa: F401  (ra, lara)
+from linattn_jax import nystromformer  # noqa: F401
+from linattn_jax import soft  # noqa: F401
+from linattn_jax import laplacian  # noqa: F401
+from linattn_jax import ra  # noqa: F401
+from linattn_jax import lara  # noqa: F401
 # isort: on
 from linattn_jax import landmarks, linen, nn, parallel  # noqa: E402
 

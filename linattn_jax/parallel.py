@@ -29,9 +29,9 @@ T-long tensor of another device:
   ``(w - 1) / 2`` edge rows from the neighbouring devices (``ppermute``), so each device
   must hold at least that many tokens. ``grid`` (2-D landmarks and local branch) is not
   supported (`NotImplementedError`): image sequences are short.
-* **LARA** (non-causal; `linattn_jax.randomized.lara_sharded`): the query and key landmarks
+* **LARA** (non-causal; `linattn_jax.lara.lara_sharded`): the query and key landmarks
   come from the same segment sums (``grid`` included), so every device builds the same
-  proposals; the draws are `randomized.lara_noise` of `rng` for the whole batch, made
+  proposals; the draws are `lara.lara_noise` of `rng` for the whole batch, made
   once and split by batch rows, i.e. the one-device call's draws. The key softmax of each
   sample (its max, normaliser and ``[B, H, N, Dv]`` values f) and the query softmax r of
   the ``opt`` weights run over the axis; the final weights are per query, local.
@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from linattn_jax import core, landmarks, nystrom, randomized, registry
+from linattn_jax import core, landmarks, laplacian, lara, nystromformer, registry, soft
 
 _f32 = jnp.float32
 
@@ -63,9 +63,9 @@ _f32 = jnp.float32
 #: Non-causal mechanisms whose sums over the sequence take a mesh axis, by name: the
 #: private core each public function wraps (called with keywords and ``axis``).
 _REDUCING = {
-    "nystromformer": nystrom._nystromformer,
-    "soft": nystrom._soft,
-    "laplacian": nystrom._laplacian,
+    "nystromformer": nystromformer._nystromformer,
+    "soft": soft._soft,
+    "laplacian": laplacian._laplacian,
 }
 
 
@@ -174,7 +174,7 @@ def _feature_map_body(fmap, causal, chunk_size, axis):
 
 
 def _reducing_body(mechanism, causal, config, axis):
-    """The body of a Nystrom-family mechanism: its core with ``axis`` (`nystrom._nystrom`)."""
+    """The body of a Nystrom-family mechanism: its core with ``axis`` (`nystrom_core._nystrom`)."""
     fn = _REDUCING[mechanism.name]
     cfg = {**mechanism.defaults, **config}
     if cfg.get("grid") is not None:
@@ -203,9 +203,7 @@ def _lara_noise(mechanism, q, k, rng, deterministic, config):
     b, tq, h, d = q.shape
     grid, m = cfg["grid"], cfg["num_landmarks"]
     n_prop = landmarks.num_landmarks(k.shape[1], m if grid else min(m, tq, k.shape[1]), grid)
-    noise = randomized.lara_noise(
-        rng, b, n_prop, cfg["num_samples"], h, d, antithetic=cfg["antithetic"]
-    )
+    noise = lara.lara_noise(rng, b, n_prop, cfg["num_samples"], h, d, antithetic=cfg["antithetic"])
     return {"noise": noise}
 
 
@@ -213,7 +211,7 @@ def _lara_body(mechanism, deterministic, config, axis):
     cfg = {**mechanism.defaults, **config}
 
     def body(q, k, v, params, extra, mask=None):
-        out = randomized.lara_sharded(
+        out = lara.lara_sharded(
             q, k, v, params, extra.get("noise"), mask=mask, deterministic=deterministic,
             seq_axis=axis, **cfg,
         )  # fmt: skip

@@ -11,7 +11,9 @@
 - ``train.workloads`` is the only library module that imports the data, the models and the
   losses together (entry points, which only wire them, are exempt);
 - nothing imports a workload into existence: no config imports a model or data module;
-- no file in ``train/`` is over 600 lines.
+- no file in ``train/``, ``linattn_jax/`` or ``kernels/`` is over 600 lines;
+- no function there is over 120 lines (the ``def`` node's ``lineno .. end_lineno``), the
+  config builders aside (``get_config`` in ``train/configs/``, `FUNCTION_LENGTH_EXEMPT`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ import linattn_jax as la
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "train"
+#: The packages the length rules cover (tests, notebooks and scripts aside).
+PACKAGES = ("train", "linattn_jax", "kernels")
 MAX_LINES = 600
+MAX_FUNCTION_LINES = 120
+
+#: Functions exempt from the function-length rule, as ``(path glob, function name)``: the
+#: config builders, which are data (one assignment per hyperparameter), not logic.
+FUNCTION_LENGTH_EXEMPT = {("train/configs/*.py", "get_config")}
 
 #: Entry points: run as ``python -m ...``; the only importers of ``train.cli``. Any
 #: ``__main__.py`` is one too.
@@ -49,6 +58,16 @@ ALLOWED_LINATTN = {"linattn_jax", "linattn_jax.core", "linattn_jax.linen"}
 
 def _files():
     return sorted(p for p in TRAIN.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _package_files():
+    """Every module of `PACKAGES`."""
+    return sorted(
+        p
+        for package in PACKAGES
+        for p in (ROOT / package).rglob("*.py")
+        if "__pycache__" not in p.parts
+    )
 
 
 def _rel(path: Path) -> str:
@@ -241,7 +260,9 @@ def test_no_workload_registered_by_import():
 
 
 def test_file_length():
-    long = {_rel(p): n for p in _files() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        _rel(p): n for p in _package_files() if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     bad = {f: n for f, n in long.items() if f not in LONG_FILE_EXCEPTIONS}
     assert not bad, f"files over {MAX_LINES} lines (split them): {bad}"
 
@@ -253,3 +274,32 @@ def test_long_file_exceptions_are_still_needed():
         if not (ROOT / f).exists() or len((ROOT / f).read_text().splitlines()) <= MAX_LINES
     ]
     assert not stale, f"remove these from LONG_FILE_EXCEPTIONS (fixed or gone): {stale}"
+
+
+def _exempt(path: Path, name: str) -> bool:
+    return any(
+        path.relative_to(ROOT).match(pattern) and name == fn
+        for pattern, fn in FUNCTION_LENGTH_EXEMPT
+    )
+
+
+def test_function_length():
+    long = []
+    for path in _package_files():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            n = node.end_lineno - node.lineno + 1
+            if n > MAX_FUNCTION_LINES and not _exempt(path, node.name):
+                long.append(f"{_rel(path)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them):\n" + "\n".join(long)
+
+
+def test_function_length_exemptions_match_something():
+    exempt = [
+        (_rel(p), node.name)
+        for p in _package_files()
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.FunctionDef) and _exempt(p, node.name)
+    ]
+    assert exempt, f"FUNCTION_LENGTH_EXEMPT names no function: {FUNCTION_LENGTH_EXEMPT}"

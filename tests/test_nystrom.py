@@ -1,4 +1,5 @@
-"""Tests for the Nystrom family: nystromformer, soft, laplacian (linattn_jax/nystrom.py).
+"""Tests for the Nystrom family: nystromformer, soft, laplacian (linattn_jax/nystromformer.py,
+soft.py and laplacian.py over nystrom_core.py).
 
 Oracles are written here in float64 numpy, independently of the library: the full
 ``T x T`` kernel matrices (Laplace, Gaussian, softmax) and the Nystrom estimate from
@@ -15,7 +16,10 @@ import numpy as np
 import pytest
 
 import linattn_jax as la
-from linattn_jax import nystrom as ny
+from linattn_jax import laplacian as lap
+from linattn_jax import nystrom_core
+from linattn_jax import nystromformer as nf
+from linattn_jax import soft as sf
 
 # (mechanism, config) cases covering every normalisation.
 CASES = [
@@ -30,9 +34,9 @@ CASES = [
 ]
 IDS = [f"{n}-{c.get('normalize', 'none')}-{len(c)}" for n, c in CASES]
 WEIGHTS = {
-    "nystromformer": ny.nystromformer_weights,
-    "soft": ny.soft_weights,
-    "laplacian": ny.laplacian_weights,
+    "nystromformer": nf.nystromformer_weights,
+    "soft": sf.soft_weights,
+    "laplacian": lap.laplacian_weights,
 }
 H, D = 2, 8
 # Linear path vs materialised reference (relative to the largest entry), by normalisation:
@@ -101,7 +105,7 @@ def _whiten_np(c, center=True):
     (without `center`: divided by the root mean square)."""
     if center:
         c = c - c.mean(-2, keepdims=True)
-    return c / np.sqrt((c**2).mean(-2, keepdims=True) + ny.WHITEN_EPS)
+    return c / np.sqrt((c**2).mean(-2, keepdims=True) + nystrom_core.WHITEN_EPS)
 
 
 def _local_np(w, v):
@@ -173,7 +177,7 @@ def test_laplacian_m_equals_t_is_full_laplace_kernel():
         ("row", "iterative", 60),
         ("injective", "iterative", 60),
     ):
-        out = ny.laplacian_attention(
+        out = lap.laplacian_attention(
             q, k, v, params, num_landmarks=8, eps=0.0, normalize=norm, inverse=inverse,
             ns_iters=iters, local_window=0,
         )  # fmt: skip
@@ -192,14 +196,14 @@ def test_soft_m_equals_t_is_full_gaussian_kernel():
         ("row", _apply(kmat / kmat.sum(-1, keepdims=True), _np(v))),
     ):
         for inverse, iters in (("exact", 20), ("iterative", 60)):
-            out = ny.soft_attention(
+            out = sf.soft_attention(
                 q, k * 7.0, v, {}, num_landmarks=8, eps=0.0, normalize=norm, inverse=inverse,
                 ns_iters=iters,
             )  # fmt: skip
             errs[norm, inverse] = _close(out, want, 2e-4, f"{norm} {inverse}")
     # Untied: the key side is k, and with m = T the estimate is the full K(q^, k^).
     kmat = _gauss_np(_np(q), _np(k))
-    out = ny.soft_attention(q, k, v, {}, num_landmarks=8, eps=0.0, inverse="exact", tie_qk=False)
+    out = sf.soft_attention(q, k, v, {}, num_landmarks=8, eps=0.0, inverse="exact", tie_qk=False)
     errs["untied"] = _close(out, _apply(kmat, _np(v)), 2e-4, "untied")
     print("soft m=T max abs err:", errs)
 
@@ -209,13 +213,13 @@ def test_nystromformer_m_equals_t_is_softmax_attention():
     Exact pinv and 20 iterations are tight; the paper's 6 iterations are measured."""
     q, k, v = _inputs(3, tq=8, scale=0.7)
     want = _apply(_softmax_np(_np(q), _np(k)), _np(v))
-    exact = ny.nystromformer_attention(q, k, v, {}, num_landmarks=8, inverse="exact")
+    exact = nf.nystromformer_attention(q, k, v, {}, num_landmarks=8, inverse="exact")
     err_exact = _close(exact, want, 1e-4, "exact pinv")
     err_20 = _close(
-        ny.nystromformer_attention(q, k, v, {}, num_landmarks=8, ns_iters=20), want, 1e-4, "20 it"
+        nf.nystromformer_attention(q, k, v, {}, num_landmarks=8, ns_iters=20), want, 1e-4, "20 it"
     )
     err_6 = float(
-        np.max(np.abs(_np(ny.nystromformer_attention(q, k, v, {}, num_landmarks=8)) - want))
+        np.max(np.abs(_np(nf.nystromformer_attention(q, k, v, {}, num_landmarks=8)) - want))
     )
     print(f"nystromformer m=T max abs err: exact {err_exact:.2e}, 20 it {err_20:.2e}, ", end="")
     print(f"6 it {err_6:.2e}")
@@ -237,16 +241,16 @@ def test_segment_landmarks_match_numpy_nystrom():
     # Shared landmarks (default): A = kappa(K~, K~), C_k = kappa(K~, K); with the local branch.
     a, ck = _laplace_np(kl, kl, lam), _laplace_np(kl, _np(k), lam)
     w = cq @ np.linalg.inv(a + 0.01 * np.eye(4)) @ ck
-    out = ny.laplacian_attention(q, k, v, params, num_landmarks=4, normalize="row")
+    out = lap.laplacian_attention(q, k, v, params, num_landmarks=4, normalize="row")
     want = _apply(w / w.sum(-1, keepdims=True), _np(v)) + _local_np(params["local"], v)
     _close(out, want, 2e-4, "laplacian row, m=4")
     wi = _whiten_np(cq) @ np.linalg.inv(a + 0.01 * np.eye(4)) @ ck
-    out = ny.laplacian_attention(q, k, v, params, num_landmarks=4)
+    out = lap.laplacian_attention(q, k, v, params, num_landmarks=4)
     _close(out, _apply(wi, v) + _local_np(params["local"], v), 2e-4, "injective, m=4")
     # Separate landmarks: A = kappa(Q~, K~), C_k = kappa(Q~, K).
     a, ck = _laplace_np(ql, kl, lam), _laplace_np(ql, _np(k), lam)
     wi = _whiten_np(cq) @ np.linalg.inv(a) @ ck
-    out = ny.laplacian_attention(
+    out = lap.laplacian_attention(
         q, k, v, params, num_landmarks=4, eps=0.0, inverse="exact", shared_landmarks=False,
         local_window=0,
     )  # fmt: skip
@@ -254,7 +258,7 @@ def test_segment_landmarks_match_numpy_nystrom():
     # nystromformer: softmax kernels, output C_q A^+ C_k V.
     s = lambda x, y: _softmax_np(x, y)  # noqa: E731
     w = s(_np(q), kl) @ np.linalg.pinv(s(ql, kl)) @ s(ql, _np(k))
-    out = ny.nystromformer_attention(q, k, v, {}, num_landmarks=4, inverse="exact")
+    out = nf.nystromformer_attention(q, k, v, {}, num_landmarks=4, inverse="exact")
     _close(out, _apply(w, _np(v)), 2e-4, "nystromformer, m=4")
 
 
@@ -271,16 +275,16 @@ def test_injective_separates_queries_that_row_normalisation_merges():
     q = q.at[0, 4].set(q[0, 3]).at[0, 3, :, 0].set(2.0).at[0, 4, :, 0].set(3.0)
     params = _params("laplacian")
     cfg = dict(num_landmarks=4, local_window=0)
-    row = ny.laplacian_attention(q, k, v, params, normalize="row", **cfg)
-    inj = ny.laplacian_attention(q, k, v, params, normalize="injective", **cfg)
+    row = lap.laplacian_attention(q, k, v, params, normalize="row", **cfg)
+    inj = lap.laplacian_attention(q, k, v, params, normalize="injective", **cfg)
     same = float(jnp.max(jnp.abs(row[0, 3] - row[0, 4])))
     diff = float(jnp.min(jnp.max(jnp.abs(inj[0, 3] - inj[0, 4]), axis=-1)))  # per head
     print(f"row: |out_a - out_b| = {same:.2e}; injective: min over heads {diff:.2e}")
     assert same < 1e-5
     assert diff > 1e-2
     # The effective row weights coincide too under "row", and differ under "injective".
-    wr = ny.laplacian_weights(q, k, params, normalize="row", **cfg)
-    wi = ny.laplacian_weights(q, k, params, normalize="injective", **cfg)
+    wr = lap.laplacian_weights(q, k, params, normalize="row", **cfg)
+    wi = lap.laplacian_weights(q, k, params, normalize="injective", **cfg)
     assert float(jnp.max(jnp.abs(wr[0, :, 3] - wr[0, :, 4]))) < 1e-5
     assert float(jnp.min(jnp.max(jnp.abs(wi[0, :, 3] - wi[0, :, 4]), axis=-1))) > 1e-3
 
@@ -289,9 +293,9 @@ def test_weights_are_the_weights_of_the_output():
     q, k, v = _inputs(6, tq=11, scale=0.8)
     mask = jnp.arange(11)[None, :] < jnp.array([11, 6])[:, None]
     params = _params("laplacian")
-    w = ny.laplacian_weights(q, k, params, mask=mask, num_landmarks=4)
+    w = lap.laplacian_weights(q, k, params, mask=mask, num_landmarks=4)
     assert float(jnp.max(jnp.abs(jnp.where(mask[:, None, None, :], 0.0, w)))) == 0.0
-    out = ny.laplacian_attention(q, k, v, params, mask=mask, num_landmarks=4)
+    out = lap.laplacian_attention(q, k, v, params, mask=mask, num_landmarks=4)
     _close(out, jnp.einsum("bhij,bjhd->bihd", w, v), 1e-5, "weights @ v")
 
 
@@ -302,7 +306,7 @@ def test_query_dependent_part_does_not_vanish():
     0.00024 at T = 1024). Distinct queries give distinct outputs."""
     q, k, v = _inputs(16, b=1, tq=256, h=1, d=64, dv=8)
     params = la.get("laplacian").init(jax.random.key(0), num_heads=1, head_dim=64)
-    out = ny.laplacian_attention(q, k, v, params, num_landmarks=16, local_window=0)
+    out = lap.laplacian_attention(q, k, v, params, num_landmarks=16, local_window=0)
     dep = float(jnp.std(out - jnp.mean(out, axis=1, keepdims=True)))
     print(f"query-dependent std / std(v): {dep / float(jnp.std(v)):.3g}")
     assert dep > 0.1 * float(jnp.std(v))
@@ -323,7 +327,7 @@ def test_injective_output_sums_to_zero_over_the_sequence():
     pooled = {}
     for norm in ("injective", "uncentered"):
         for scale in (1.0, 2.0):  # two different values of v
-            out = ny.laplacian_attention(q, k, scale * jnp.tanh(v), params, normalize=norm, **cfg)
+            out = lap.laplacian_attention(q, k, scale * jnp.tanh(v), params, normalize=norm, **cfg)
             valid = mask[:, :, None, None]
             pooled[norm, scale] = np.asarray(jnp.sum(jnp.where(valid, out, 0.0), axis=1))
     size = max(float(np.max(np.abs(pooled["uncentered", s]))) for s in (1.0, 2.0))
@@ -340,14 +344,14 @@ def test_local_branch_is_a_depthwise_convolution():
     q, k, v = _inputs(17, b=1, tq=9)
     params = _params("laplacian", local_window=5)
     cfg = dict(num_landmarks=4)
-    on = ny.laplacian_attention(q, k, v, params, local_window=5, **cfg)
-    off = ny.laplacian_attention(q, k, v, {"log_lam": params["log_lam"]}, local_window=0, **cfg)
+    on = lap.laplacian_attention(q, k, v, params, local_window=5, **cfg)
+    off = lap.laplacian_attention(q, k, v, {"log_lam": params["log_lam"]}, local_window=0, **cfg)
     _close(on - off, _local_np(params["local"], v), 1e-5, "1-D local branch")
     # grid (2, 4) after one CLS token: a 3 x 3 filter over the 2 x 4 image
     pg = _params("laplacian", grid=(2, 4))
     assert pg["local"].shape == (3, 3, H)
-    on = ny.laplacian_attention(q, k, v, pg, grid=(2, 4), **cfg)
-    off = ny.laplacian_attention(
+    on = lap.laplacian_attention(q, k, v, pg, grid=(2, 4), **cfg)
+    off = lap.laplacian_attention(
         q, k, v, {"log_lam": pg["log_lam"]}, grid=(2, 4), local_window=0, **cfg
     )
     img = np.pad(_np(v)[:, 1:].reshape(1, 2, 4, H, 4), ((0, 0), (1, 1), (1, 1), (0, 0), (0, 0)))
@@ -412,7 +416,7 @@ def test_grid_landmarks_on_image_with_cls_token():
     qq = _np(q)
     w = _gauss_np(qq, ql) @ np.linalg.inv(_gauss_np(ql, ql) + 0.01 * np.eye(16))
     w = w @ _gauss_np(ql, qq)
-    out = ny.soft_attention(q, k, v, {}, num_landmarks=16, grid=(8, 8), inverse="exact")
+    out = sf.soft_attention(q, k, v, {}, num_landmarks=16, grid=(8, 8), inverse="exact")
     _close(out, _apply(w, _np(v)), 1e-4, "grid soft")
     # The grid runs through the shared core: linear path == reference (two kernels).
     for name, c in (CASES[0], CASES[3]):
@@ -496,7 +500,7 @@ def test_laplacian_pallas_interpret_matches_xla():
 
     def run(impl):
         def loss(q, params):
-            out = ny.laplacian_attention(
+            out = lap.laplacian_attention(
                 q, k, v, params, num_landmarks=4, impl=impl, interpret=impl == "pallas"
             )
             return jnp.sum(out**2), out
@@ -529,8 +533,8 @@ def test_registry_params_and_fixed_lambda():
     )
     # A fixed lam equals the learnable one set to the same value.
     q, k, v = _inputs(13, tq=8)
-    fixed = ny.laplacian_attention(q, k, v, {}, lam=1.5, num_landmarks=4, local_window=0)
-    learn = ny.laplacian_attention(
+    fixed = lap.laplacian_attention(q, k, v, {}, lam=1.5, num_landmarks=4, local_window=0)
+    learn = lap.laplacian_attention(
         q, k, v, {"log_lam": jnp.full((H,), math.log(1.5))}, num_landmarks=4, local_window=0
     )
     _close(fixed, learn, 1e-5, "fixed lam")
@@ -560,32 +564,32 @@ def test_errors():
             with pytest.raises(ValueError, match=name):
                 la.get(name).attention(q, k, v, pp, **bad)
     with pytest.raises(ValueError, match="normalize"):
-        ny.soft_attention(q, k, v, {}, normalize="injective")
+        sf.soft_attention(q, k, v, {}, normalize="injective")
     with pytest.raises(ValueError, match="tie_qk"):  # SOFT ties k := q, so Tq == Tk
-        ny.soft_attention(q, k[:, :5], v[:, :5], {}, tie_qk=True)
+        sf.soft_attention(q, k[:, :5], v[:, :5], {}, tie_qk=True)
     with pytest.raises(ValueError, match="tie_qk"):
-        ny.soft_attention(q, k, v, {}, tie_qk="yes")
+        sf.soft_attention(q, k, v, {}, tie_qk="yes")
     with pytest.raises(ValueError, match="lam"):
-        ny.laplacian_attention(q, k, v, {}, lam=-1.0)
+        lap.laplacian_attention(q, k, v, {}, lam=-1.0)
     with pytest.raises(ValueError, match="log_lam"):
-        ny.laplacian_attention(q, k, v, {"local": p["local"]})
+        lap.laplacian_attention(q, k, v, {"local": p["local"]})
     for bad in (2, -1, 3.0, True, None):
         with pytest.raises(ValueError, match="local_window"):
-            ny.laplacian_attention(q, k, v, p, local_window=bad)
+            lap.laplacian_attention(q, k, v, p, local_window=bad)
         with pytest.raises(ValueError, match="local_window"):
-            ny.laplacian_init(jax.random.key(0), num_heads=H, head_dim=D, local_window=bad)
+            lap.laplacian_init(jax.random.key(0), num_heads=H, head_dim=D, local_window=bad)
     with pytest.raises(
         ValueError, match=r"params\['local'\] has shape \(3, 2\), expected \(5, 2\)"
     ):
-        ny.laplacian_attention(q, k, v, p, local_window=5)
+        lap.laplacian_attention(q, k, v, p, local_window=5)
     with pytest.raises(ValueError, match="'local'"):  # init without grid, called with one
-        ny.laplacian_attention(q, k, v, p, grid=(2, 2))
+        lap.laplacian_attention(q, k, v, p, grid=(2, 2))
     for bad in ("x", "Injective", None):
         with pytest.raises(ValueError, match="normalize"):
-            ny.laplacian_attention(q, k, v, p, normalize=bad)
+            lap.laplacian_attention(q, k, v, p, normalize=bad)
     with pytest.raises(ValueError, match="shared_landmarks"):
-        ny.laplacian_attention(q, k, v, p, shared_landmarks=1)
+        lap.laplacian_attention(q, k, v, p, shared_landmarks=1)
     with pytest.raises(ValueError, match="log_lam"):  # lam fixed but params carry log_lam
-        ny.laplacian_attention(q, k, v, p, lam=1.0)
+        lap.laplacian_attention(q, k, v, p, lam=1.0)
     with pytest.raises(ValueError, match=r"k \(2, 8, 1, 8\)"):
-        ny.nystromformer_attention(q, k[:, :, :1], v, {})
+        nf.nystromformer_attention(q, k[:, :, :1], v, {})

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 import linattn_jax as la
-from linattn_jax import randomized, softmax
+from linattn_jax import lara, ra, softmax
 
-RA = randomized.RA
-LARA = randomized.LARA
+RA = ra.RA
+LARA = lara.LARA
 
 #: Tolerances for the same computation done two ways (fast path vs reference).
 FWD_TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -180,9 +180,7 @@ def _ra_draws(causal, masked):
     q, k, v = _qkv(10, b=16, tq=8, tk=8, h=1, d=4, dv=2)
     mask = _lengths_mask(np.arange(16) % 4 + 5, 8) if masked else None
     keys = jax.random.split(_key(11), sum(_RA_SIZES))
-    draw = jax.jit(
-        jax.vmap(lambda r: randomized.ra_attention(q, k, v, {}, r, mask=mask, causal=causal))
-    )
+    draw = jax.jit(jax.vmap(lambda r: ra.ra_attention(q, k, v, {}, r, mask=mask, causal=causal)))
     # float64 on the host: a float32 mean over 4096 draws drifts by ~1e-4.
     target = np.asarray(_softmax(q, k, v, mask, causal), np.float64)
     return np.asarray(draw(keys), np.float64), target

@@ -8,8 +8,8 @@ one module each:
   figures (``jit(f).lower(...).compile().memory_analysis()``: temp + argument + output bytes)
   for every mechanism in the registry, plus ``jax.nn.dot_product_attention`` as
   ``softmax_xla``, over a range of T, causal and non-causal where supported; ratios to
-  ``softmax`` (and to ``softmax_xla``) measured in the same run; official-layout peers
-  (`peers`) beside the mechanisms that have one.
+  ``softmax`` (and to ``softmax_xla``) measured in the same run; jnp stand-ins of the public
+  code (`peers`) beside the mechanisms that have one.
 * ``fidelity`` (`fidelity`): relative error ``|out - softmax|_F / |softmax|_F`` of each
   mechanism as its budget (``num_features`` / ``num_landmarks`` / ``num_samples``) grows, on
   Gaussian and on clustered inputs, mean and std over seeds.

@@ -58,6 +58,59 @@ def predict_seconds(series: list[tuple[int, float]], seq_len: int, quadratic: bo
     return s1 * (seq_len / t1) ** slope
 
 
+class Series:
+    """The measured ``(T, seconds)`` of one row's (mode, pass) series, and the rule that skips
+    its next points: one whose compiled memory exceeds ``cfg.memory_budget_gib``, or whose
+    time `predict_seconds` puts over ``cfg.time_limit_s``, is compiled (so its memory is still
+    reported) but not run; the larger T of that series are then skipped too."""
+
+    def __init__(self, cfg: ScalingConfig, quadratic: bool):
+        self.cfg, self.quadratic = cfg, quadratic
+        self.times: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        self.stopped: dict[tuple[str, str], str] = {}
+
+    def reason(self, key: tuple[str, str], seq_len: int, fields: dict) -> str | None:
+        if key in self.stopped:
+            return self.stopped[key]
+        reason = timing.over_budget(fields["memory"], self.cfg.memory_budget_gib)
+        predicted = predict_seconds(self.times.get(key, []), seq_len, self.quadratic)
+        if reason is None and predicted is not None and predicted > self.cfg.time_limit_s:
+            reason = f"predicted {predicted:.0f} s/call > limit {self.cfg.time_limit_s:.0f} s"
+        return reason
+
+    def run(self, point: dict, fn: Callable, args, emit=None) -> dict:
+        """Measures `fn(*args)` into `point` (its ``seq_len``, ``mode`` and ``pass`` set):
+        status ``ok``, ``skipped`` (with the note) or ``error`` (one failing point must not
+        end the run); `emit` sees it."""
+        key, seq_len = (point["mode"], point["pass"]), point["seq_len"]
+        point.update(status="ok", note="")
+        cfg = self.cfg
+        try:
+            point.update(
+                timing.measure(
+                    fn,
+                    args,
+                    repeats=cfg.repeats,
+                    min_total_s=cfg.min_total_s,
+                    skip=lambda fields: self.reason(key, seq_len, fields),
+                )
+            )
+            if point["status"] == "ok":
+                self.times.setdefault(key, []).append((seq_len, point["time_ms"] / 1e3))
+            elif key not in self.stopped:
+                self.stopped[key] = f"skipped at T={seq_len}: {point['note']}"
+                if "memory" in point["note"]:
+                    # Larger T only needs more memory; later points still report theirs.
+                    self.stopped[key] = point["note"].replace(
+                        "memory", f"memory at T={seq_len}:", 1
+                    )
+        except Exception as e:  # noqa: BLE001 -- one failing point must not end the run
+            point.update(status="error", note=f"{type(e).__name__}: {str(e)[:300]}")
+        if emit is not None:
+            emit(point)
+        return point
+
+
 def scaling_points(
     name: str, cfg: ScalingConfig, emit: Callable[[dict], None] | None = None
 ) -> list[dict]:
@@ -66,14 +119,12 @@ def scaling_points(
     quadratic = common.is_quadratic(name)
     modes = [m for m in cfg.modes if m == "noncausal" or common.supports_causal(name)]
     trainable, fixed, rng = common.mechanism_state(name, heads=cfg.heads, head_dim=cfg.head_dim)
-    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
-    stopped: dict[tuple[str, str], str] = {}
+    series = Series(cfg, quadratic)
     for seq_len in cfg.seq_lens:
         q, k, v, ct = common.random_qkv(cfg.batch, seq_len, cfg.heads, cfg.head_dim)
         for mode in modes:
             f = common.attention_callable(name, causal=mode == "causal")
             for pass_ in cfg.passes:
-                key = (mode, pass_)
                 fn, args = (f, (q, k, v, trainable, fixed, rng))
                 if pass_ == "fwd_bwd":
                     fn, args = common.fwd_bwd(f), (*args, ct)
@@ -83,42 +134,10 @@ def scaling_points(
                     "mode": mode,
                     "pass": pass_,
                     "quadratic": quadratic,
-                    "status": "ok",
-                    "note": "",
                 }
-
-                def skip(fields, key=key, seq_len=seq_len):
-                    if key in stopped:
-                        return stopped[key]
-                    reason = timing.over_budget(fields["memory"], cfg.memory_budget_gib)
-                    predicted = predict_seconds(series.get(key, []), seq_len, quadratic)
-                    if reason is None and predicted is not None and predicted > cfg.time_limit_s:
-                        reason = (
-                            f"predicted {predicted:.0f} s/call > limit {cfg.time_limit_s:.0f} s"
-                        )
-                    return reason
-
-                try:
-                    point.update(
-                        timing.measure(
-                            fn, args, repeats=cfg.repeats, min_total_s=cfg.min_total_s, skip=skip
-                        )
-                    )
-                    if point["status"] == "ok":
-                        series.setdefault(key, []).append((seq_len, point["time_ms"] / 1e3))
-                    elif key not in stopped:
-                        stopped[key] = f"skipped at T={seq_len}: {point['note']}"
-                        if "memory" in point["note"]:
-                            # Larger T only needs more memory; later points still report theirs.
-                            stopped[key] = point["note"].replace(
-                                "memory", f"memory at T={seq_len}:", 1
-                            )
-                except Exception as e:  # noqa: BLE001 -- one failing point must not end the run
-                    point.update(status="error", note=f"{type(e).__name__}: {str(e)[:300]}")
-                points.append(point)
-                if emit is not None:
-                    emit(point)
-    return points + peers.peer_points(name, cfg, emit)  # its peer, if any, beside it
+                points.append(series.run(point, fn, args, emit))
+    # its peer, if any, beside it
+    return points + peers.peer_points(name, cfg, emit, Series(cfg, quadratic))
 
 
 def add_ratios(points: list[dict]) -> list[dict]:

@@ -257,6 +257,26 @@ def distill(
         "after_stage1_val": zero_shot,
     }
     metric = str(config.get("best_metric", "accuracy"))
+    _stage2_and_baselines(
+        config, workdir, data, d_state, t_state, s_trainer, summary,
+        stage1_steps=stage1_steps, stage2=stage2, stage2_lr=stage2_lr, baselines=baselines,
+        log=log,
+    )  # fmt: skip
+    final = summary.get("stage2", {}).get("val") or zero_shot
+    if metric in final and teacher_val.get(metric):
+        summary["recovery"] = final[metric] / teacher_val[metric]
+    writer.close()
+    summary["wall_seconds"] = time.time() - t_start
+    (workdir / "distill_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def _stage2_and_baselines(
+    config, workdir, data, d_state, t_state, s_trainer, summary, *, stage1_steps, stage2,
+    stage2_lr, baselines, log,
+):  # fmt: skip
+    """`distill`'s stage 2 from the distilled student `d_state` and, with `baselines`, the
+    two baselines (no stage 1; from scratch); their results go into `summary`."""
     s2_config = config.copy_and_resolve_references()
     if stage2_lr is not None:
         s2_config.learning_rate = float(stage2_lr)
@@ -278,13 +298,6 @@ def distill(
         }
         log(f"baseline, teacher weights without stage 1: {_fmt(b1['val'])}")
         log(f"baseline, from scratch ({b2['steps']} steps): {_fmt(b2['val'])}")
-    final = summary.get("stage2", {}).get("val") or zero_shot
-    if metric in final and teacher_val.get(metric):
-        summary["recovery"] = final[metric] / teacher_val[metric]
-    writer.close()
-    summary["wall_seconds"] = time.time() - t_start
-    (workdir / "distill_summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    return summary
 
 
 def kernel_transfer(

@@ -1,0 +1,196 @@
+"""The causal form of linear attention: chunked prefix sums (quadratic inside a chunk, a
+`lax.scan` over chunk states across chunks), from precomputed features
+(`causal_linear_attention_from`, `_causal_chunked`) or with a token-wise feature map's
+features computed chunk by chunk inside the scan (`_causal_fused`); both run `_chunk_scan`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from linattn_jax.core.common import (
+    _NEG,
+    DENOMINATOR_EPS,
+    _append_ones,
+    _apply_key_mask,
+    _check_floor,
+    _check_one_key_weighting,
+    _f32,
+    _masked_log_scale,
+    _split_last,
+    _split_mass,
+    denominator_floor,
+    guard_denominator,
+    key_mask,
+)
+from linattn_jax.core.recurrent import RecurrentState, recurrent_init
+
+
+def _chunking(t: int, chunk_size: int):
+    """``(c, n, pad)``: the chunk length (at most `t`), the number of chunks and the padding
+    that makes ``n * c`` tokens."""
+    c = min(chunk_size, t)
+    n = -(-t // c)
+    return c, n, n * c - t
+
+
+def causal_linear_attention_from(
+    initial_state,
+    phi_q,
+    phi_k,
+    v,
+    *,
+    mask=None,
+    chunk_size: int = 64,
+    log_decay=None,
+    key_log_scale=None,
+    eps: float = DENOMINATOR_EPS,
+    den_floor: float = 0.0,
+):
+    """Causal `linear_attention` continuing from `initial_state` (a `RecurrentState` of
+    the keys that precede this block, e.g. on earlier devices); returns ``(out, state)``
+    with the state after the block's keys. With an empty initial state
+    (`recurrent_init`) the output equals ``linear_attention(..., causal=True)``.
+    """
+    _check_floor(den_floor, phi_k)
+    phi_q, phi_k, v = phi_q.astype(_f32), phi_k.astype(_f32), v.astype(_f32)
+    phi_k = _apply_key_mask(phi_k, mask)
+    ns = _masked_log_scale(key_log_scale, mask, phi_k.shape[:3])
+    return _causal_chunked(
+        phi_q, phi_k, v, chunk_size, log_decay, ns, eps, initial_state, den_floor=den_floor
+    )
+
+
+def _causal_chunked(
+    phi_q, phi_k, v, chunk_size, log_decay, ns, eps, initial_state=None, *, den_floor=0.0
+):
+    """``(out [B, T, H, Dv], final RecurrentState)``; `initial_state` is the state of the
+    keys before this sequence (default: none). With `den_floor` the mass channel is
+    carried apart (``zm``) and the state's z keeps it as its last column; the state's s
+    row of that channel is returned as zeros (queries, 0 there, never read it)."""
+    phi_q, phi_k, mass = _split_mass(phi_q, phi_k, den_floor)
+    if mass is None:
+        mass = jnp.zeros(phi_k.shape[:3], _f32)  # carried, never read
+    b, t, h, m = phi_q.shape
+    c, n, pad = _chunking(t, chunk_size)
+    if log_decay is None:
+        log_decay = jnp.zeros((b, t, h), _f32)
+    log_decay = log_decay.astype(_f32)
+    if pad:
+        # Padded keys have zero features and zero decay; padded queries are dropped.
+        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+        phi_q, phi_k, v = (jnp.pad(x, widths) for x in (phi_q, phi_k, v))
+        log_decay, mass = jnp.pad(log_decay, widths[:3]), jnp.pad(mass, widths[:3])
+        ns = jnp.pad(ns, widths[:3], constant_values=_NEG)
+
+    def chunks(x):  # [B, n*c, H, ...] -> [n, B, H, c, ...] (heads first)
+        x = jnp.swapaxes(x, 1, 2)
+        return jnp.moveaxis(x.reshape(b, h, n, c, *x.shape[3:]), 2, 0)
+
+    xs = (phi_q, phi_k, _append_ones(v), log_decay, ns, mass)  # padded keys: phi_k = 0
+    return _chunk_scan(lambda x: x, tuple(map(chunks, xs)), t, eps, initial_state, den_floor)
+
+
+def _causal_fused(fmap, params, q, k, v, mask, chunk_size, den_floor, config):
+    """Causal `linear_attention` of a token-wise `FeatureMap` with its features computed
+    chunk by chunk inside the scan, so the forward pass never holds the ``[B, T, H, M]``
+    features of the whole sequence (one chunk's at a time, in cache). Equal to
+    ``linear_attention(fmap.query(q), fmap.key(k).phi, v, causal=True, ...)`` to rounding
+    (tested for every token-wise map); ``[B, T, H, Dv]`` float32."""
+    b, t = q.shape[:2]
+    c, n, pad = _chunking(t, chunk_size)
+    keep = key_mask(mask, t, b)
+    if pad:
+        # Padded tokens repeat the last one (finite features whatever the map) and are
+        # masked out as keys; their queries are dropped.
+        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+        q, k = (jnp.pad(x, widths, mode="edge") for x in (q, k))
+        v, keep = jnp.pad(v, widths), jnp.pad(keep, widths[:2])
+
+    def chunks(x):  # [B, n*c, ...] -> [n, B, c, ...] (token-major, as the feature map takes it)
+        return jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)
+
+    def prepare(x):
+        qc, kc, vc, keepc = x
+        keys = fmap.key(kc, params, **config)
+        _check_one_key_weighting(keys.log_decay, keys.log_scale)
+        pq = fmap.query(qc, params, **config).astype(_f32)
+        pk = _apply_key_mask(keys.phi.astype(_f32), keepc)
+        pq, pk, mass = _split_mass(pq, pk, den_floor)
+        zeros = jnp.zeros(pk.shape[:3], _f32)
+        ns = _masked_log_scale(keys.log_scale, keepc, pk.shape[:3])
+        ld = zeros if keys.log_decay is None else keys.log_decay.astype(_f32)
+        mass = zeros if mass is None else mass
+        parts = (pq, pk, _append_ones(vc.astype(_f32)), ld, ns, mass)
+        return tuple(jnp.swapaxes(p, 1, 2) for p in parts)  # heads first
+
+    xs = tuple(map(chunks, (q, k, v, keep)))
+    return _chunk_scan(prepare, xs, t, DENOMINATOR_EPS, None, den_floor)[0]
+
+
+def _chunk_scan(prepare, xs, t, eps, initial_state, den_floor):
+    """The chunked causal recurrence over `xs` (leading axis: the n chunks of length c).
+
+    ``prepare(x)`` maps one chunk of `xs` to its heads-first ``(pq [B, H, c, M],
+    pk [B, H, c, M], [v | 1] [B, H, c, Dv + 1], log_decay, ns, mass [B, H, c])``, the keys
+    already masked; `t` is the unpadded length. Returns ``(out [B, t, H, Dv],
+    RecurrentState)`` as `_causal_chunked`.
+    """
+    shapes = jax.eval_shape(prepare, jax.tree.map(lambda x: x[0], xs))
+    b, h, c, m = shapes[0].shape
+    dv = shapes[2].shape[-1] - 1
+    tril = jnp.tril(jnp.ones((c, c), bool))
+
+    def step(carry, x):
+        # State before this chunk, kept relative to the running key max mp:
+        # s = sum_j exp(n_j - mp) phi(k_j) v_j^T  [B, H, M, Dv], z likewise [B, H, M],
+        # carried as one sz = [s | z] [B, H, M, Dv + 1] (the values as [v | 1]), so that
+        # each product gives a numerator and its denominator together.
+        sz, zm, mp = carry
+        pq, pk, vc, ld, nc, mc = prepare(x)  # heads first; vc: [v | 1]
+        # Cumulative log-decay inside the chunk: G_t = sum_{l <= t} log g_l.
+        gc = jnp.cumsum(ld, axis=-1)
+        # Running max of the key log-scales up to each position (detached; it cancels).
+        cm = lax.stop_gradient(jnp.maximum(mp[..., None], lax.cummax(nc, axis=2)))  # [B, H, c]
+        # Intra-chunk weights exp(G_i - G_j + n_j - cm_i) for j <= i (all <= 1).
+        logw = gc[..., :, None] - gc[..., None, :] + nc[..., None, :] - cm[..., :, None]
+        weight = jnp.where(tril, jnp.exp(jnp.where(tril, logw, 0.0)), 0.0)  # [B, H, c, c]
+        scores = jnp.einsum("bhim,bhjm->bhij", pq, pk) * weight
+        nd = jnp.einsum("bhij,bhjd->bhid", scores, vc)  # [B, H, c, Dv + 1]
+        # Inter-chunk: the carried state decayed to position i by exp(G_i), rescaled to cm_i.
+        carry_scale = jnp.exp(gc + mp[..., None] - cm)  # [B, H, c]
+        nd = nd + jnp.einsum("bhim,bhmd->bhid", pq * carry_scale[..., None], sz)
+        num, den = _split_last(nd)
+        floor = None
+        if den_floor:  # the mass channel under the same weights
+            mass_i = jnp.einsum("bhij,bhj->bhi", weight, mc) + carry_scale * zm[..., None]
+            floor = denominator_floor(pq, mass_i, den_floor)
+        out = num / guard_denominator(den, eps, floor)[..., None]
+        # State after the chunk: old state decayed by exp(G_last), new keys by
+        # exp(G_last - G_j), all relative to the new running max.
+        g_last, m_new = gc[..., -1], cm[..., -1]  # [B, H]
+        w = jnp.exp(g_last[..., None] - gc + nc - m_new[..., None])  # [B, H, c]
+        old = jnp.exp(g_last + mp - m_new)
+        sz = sz * old[..., None, None] + jnp.einsum("bhjm,bhjd->bhmd", pk, vc * w[..., None])
+        zm = zm * old + jnp.sum(mc * w, axis=-1)
+        return (sz, zm, m_new), out
+
+    if initial_state is None:
+        s0, z0, c0 = recurrent_init(b, h, m, dv)
+        zm0 = jnp.zeros((b, h), _f32)
+    elif den_floor:
+        s0, c0 = initial_state.s[..., :-1, :], initial_state.c
+        z0, zm0 = _split_last(initial_state.z)
+    else:
+        (s0, z0, c0), zm0 = initial_state, jnp.zeros((b, h), _f32)
+    sz0 = jnp.concatenate([s0, z0[..., None]], axis=-1)
+    (sz, zm, c_last), out = lax.scan(step, (sz0, zm0, c0), xs)  # out [n, B, H, c, Dv]
+    s, z = _split_last(sz)
+    n = out.shape[0]
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, dv).swapaxes(1, 2)
+    if den_floor:
+        s = jnp.concatenate([s, jnp.zeros_like(s[..., :1, :])], axis=-2)
+        z = jnp.concatenate([z, zm[..., None]], axis=-1)
+    return out[:, :t], RecurrentState(s, z, c_last)

@@ -1,0 +1,153 @@
+"""The pieces every path of the core shares: the denominator guard and its relative floor,
+the key-mass channel, masks and key log-scales, and the read-out from key summaries.
+
+See `linattn_jax.core` for the relative denominator floor.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+#: Denominators with ``|r| <= DENOMINATOR_EPS`` are pushed away from zero.
+DENOMINATOR_EPS = 1e-6
+
+_f32 = jnp.float32
+#: Added under the square roots of feature norms: an all-zero feature row gets a finite
+#: (zero) gradient instead of NaN.
+_TINY_SQ = 1e-30
+
+
+def guard_denominator(den, eps: float = DENOMINATOR_EPS, floor=None):
+    """Pushes ``|den| <= eps`` away from zero: ``den + 2 eps sign(den)`` (sign(0) := +1).
+
+    This is the Performer sin/cos variant's guard: it leaves every well-scaled
+    denominator unchanged, works for features that can be negative (trigonometric
+    random features), and makes an all-zero row (every key masked) divide its
+    zero numerator by ``2 eps`` instead of 0. With `floor` (an array broadcasting
+    against `den`, >= 0; the relative floor of the module docstring) ``|den|`` is first
+    raised to at least `floor`, keeping its sign.
+    """
+    sign = jnp.where(den < 0, -1.0, 1.0).astype(den.dtype)
+    if floor is not None:
+        den = jnp.where(jnp.abs(den) < floor, sign * floor, den)
+    return jnp.where(jnp.abs(den) <= eps, den + 2 * eps * sign, den)
+
+
+def mass_channel(phi, *, is_query: bool):
+    """`phi` ``[..., M]`` with the key-mass channel appended (``[..., M + 1]``): a column of
+    zeros for queries (dot products are unchanged) and ``|phi|`` for keys. A feature map
+    with a relative denominator floor (`FeatureMap.den_floor`) returns its features so."""
+    phi = phi.astype(_f32)
+    extra = (
+        jnp.zeros_like(phi[..., :1])
+        if is_query
+        else jnp.sqrt(jnp.sum(phi * phi, axis=-1, keepdims=True) + _TINY_SQ)
+    )
+    return jnp.concatenate([phi, extra], axis=-1)
+
+
+def denominator_floor(phi_q, mass, den_floor):
+    """The relative floor ``gamma |phi(q_i)| mass_i`` of `guard_denominator` (None when
+    `den_floor` is 0); `phi_q` ``[..., M]`` in any layout (``[B, Tq, H, M]``, or heads first
+    inside the core), `mass` broadcasting against its leading axes (the mass channel summed
+    under the denominator's weights)."""
+    if not den_floor:
+        return None
+    return den_floor * jnp.sqrt(jnp.sum(phi_q * phi_q, axis=-1) + _TINY_SQ) * mass
+
+
+def _append_ones(v):
+    """``[v | 1]``: `v` ``[..., D]`` with a column of ones appended (``[..., D + 1]``), so
+    that one product with the key features gives both ``sum phi(k) v^T`` and ``sum phi(k)``."""
+    return jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)
+
+
+def heads_last(x):
+    """``[B, H, T, ...] -> [B, T, H, ...]``: the layout the core takes. A feature map that
+    computes heads first (its projection then writes each head's features contiguously)
+    returns them through this; the core's own swap back to heads first cancels it."""
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _split_last(x):
+    """``(x[..., :-1], x[..., -1])``: a ``[.. | last]`` product split into its two parts."""
+    return x[..., :-1], x[..., -1]
+
+
+def read_out(phi_q, s, z, mass=None, *, eps: float = DENOMINATOR_EPS, den_floor: float = 0.0):
+    """Linear attention's output from the key summaries: ``phi_q S / guard(phi_q z)``.
+
+    `phi_q` ``[B, Tq, H, M]``, `s` ``[B, H, M, Dv]`` (sum of phi(k) v^T), `z` ``[B, H, M]``
+    (sum of phi(k)), `mass` ``[B, H]`` (the key-mass channel summed under the same weights;
+    None without a floor) -> ``[B, Tq, H, Dv]``. The non-causal path, the recurrent step and
+    the sequence-parallel reduction all end here."""
+    # Heads first ([B, H, Tq, M]): each head's products run on contiguous rows. A feature
+    # map that computes its features heads first and swaps them back (`heads_last`) has
+    # this swap cancel against its own, so its M-wide features are never transposed.
+    pq = jnp.swapaxes(phi_q, 1, 2)
+    num = jnp.einsum("bhtm,bhmd->bhtd", pq, s)
+    den = jnp.einsum("bhtm,bhm->bht", pq, z)
+    floor = None if mass is None else denominator_floor(pq, mass[..., None], den_floor)
+    return jnp.swapaxes(num / guard_denominator(den, eps, floor)[..., None], 1, 2)
+
+
+def _split_mass(phi_q, phi_k, den_floor):
+    """``(phi_q, phi_k, mass)``: the features without the mass channel and the channel
+    ``[B, Tk, H]`` (None without a floor). The main sums then run on exactly the features
+    of the unfloored call, so rows above the floor come out bit for bit the same."""
+    if not den_floor:
+        return phi_q, phi_k, None
+    return (phi_q[..., :-1], *_split_last(phi_k))
+
+
+def _check_floor(den_floor, phi_k):
+    if not den_floor:
+        return
+    if not 0.0 < den_floor < 1.0:
+        raise ValueError(f"den_floor must be in [0, 1), got {den_floor!r}")
+    if phi_k.shape[-1] < 2:
+        raise ValueError(
+            f"den_floor > 0 needs key features with the mass channel (`mass_channel`), got "
+            f"phi_k {tuple(phi_k.shape)}"
+        )
+
+
+def masked_max(x, mask, axis):
+    """Max of `x` over `axis` ignoring masked entries; 0 where everything is masked.
+
+    `mask` broadcasts against `x`. Used for the detached stabilisers that cancel
+    in the attention ratio.
+    """
+    neg = jnp.where(mask, x, -jnp.inf)
+    m = jnp.max(neg, axis=axis, keepdims=True)
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def key_mask(mask, tk: int, batch: int):
+    """``[B, Tk]`` bool key mask (all True when `mask` is None)."""
+    if mask is None:
+        return jnp.ones((batch, tk), bool)
+    return mask
+
+
+def _check_one_key_weighting(log_decay, key_log_scale):
+    if log_decay is not None and key_log_scale is not None:
+        raise ValueError("linear_attention: pass log_decay or key_log_scale, not both")
+
+
+def _apply_key_mask(phi_k, mask):
+    if mask is None:
+        return phi_k
+    return phi_k * mask[:, :, None, None].astype(phi_k.dtype)
+
+
+#: Log-scale of masked (and padded) keys: finite, so differences never give NaN.
+_NEG = -1e30
+
+
+def _masked_log_scale(key_log_scale, mask, shape):
+    """``[B, Tk, H]`` float32 log-scales, `_NEG` at masked keys (0 when not given)."""
+    ns = jnp.zeros(shape, _f32) if key_log_scale is None else key_log_scale.astype(_f32)
+    if mask is not None:
+        ns = jnp.where(mask[:, :, None], ns, _NEG)
+    return ns
