@@ -33,9 +33,16 @@ from hypothesis import strategies as st
 
 import linattn_jax as la
 
-#: `soft` and `laplacian` are unnormalised kernels (``K V``): identical keys do not give a
-#: mean of v there.
-NORMALISED = frozenset(la.names()) - {"soft", "laplacian"}
+#: Identical keys give the mean of v: every normalised mechanism except those with a relative
+#: denominator floor (flexformer: where ``|phi(q) . phi(k)| < gamma |phi(q)| |phi(k)|`` the
+#: floor replaces the denominator by design, bounding the weights instead). `soft` and
+#: `laplacian` are unnormalised kernels (``K V``), not means of v.
+NORMALISED = frozenset(
+    n
+    for n in la.names()
+    if n not in ("soft", "laplacian")
+    and (la.get(n).feature_map is None or not la.get(n).feature_map.den_floor())
+)
 #: Mechanisms whose output is a function of the set of (key, value) pairs: the feature maps
 #: (with the same rng, the random features do not depend on the keys' order or count),
 #: softmax, and ra when deterministic. Not the landmark methods (nystromformer, soft,
