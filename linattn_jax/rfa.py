@@ -39,18 +39,18 @@ def init(rng, *, num_heads: int, head_dim: int, num_features: int = 128, gate: b
     return params
 
 
-#: Floor of the squared norm in `_unit` (vectors shorter than 1e-12 are scaled by 1e12
-#: instead of normalised; an all-zero one stays zero). Large enough that the derivative of
-#: its rsqrt, ``-_TINY_SQ^(-3/2) / 2``, is finite in float32, so the zero gradient that
-#: reaches it through the maximum stays 0 (a norm inside the maximum gave 0 * inf = NaN).
-_TINY_SQ = 1e-24
+#: Added under the square root of `_unit`'s norm: below float32's resolution of any squared
+#: norm >= 1e-12 (so those norms are unchanged bit for bit), it keeps the square root's
+#: derivative at an all-zero vector finite, so the zero gradient that reaches it through
+#: the maximum stays 0 (the bare norm inside the maximum gave 0 * inf = NaN).
+_TINY_SQ = 1e-30
 
 
 def _unit(x):
-    """``x / |x|`` along the last axis (float32); an all-zero x gives zeros, with finite
-    gradients: the floor acts on the squared norm, so no square root is differentiated at 0."""
+    """``x / max(|x|, 1e-6)`` along the last axis (float32); an all-zero x gives zeros, with
+    finite (zero) gradients."""
     x = x.astype(jnp.float32)
-    return x * lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), _TINY_SQ))
+    return x / jnp.maximum(jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _TINY_SQ), 1e-6)
 
 
 def feature_map(x, params, features=None):
