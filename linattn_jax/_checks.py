@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import jax
 import jax.numpy as jnp
 
 from linattn_jax.registry import causal_names
@@ -58,12 +61,34 @@ def check_causal_supported(name: str, causal: bool) -> None:
         )
 
 
+def _is_key(rng) -> bool:
+    """A typed key (`jax.random.key`) or a legacy uint32 ``[2]`` key (`jax.random.PRNGKey`)."""
+    dtype = getattr(rng, "dtype", None)
+    if dtype is None:
+        return False
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return dtype == jnp.uint32 and tuple(rng.shape)[-1:] == (2,)
+
+
 def check_rng(name: str, rng, deterministic: bool) -> None:
-    """A sampling call (``deterministic=False``) needs an rng key."""
-    if not deterministic and rng is None:
+    """A sampling call (``deterministic=False``) needs an rng key, and a key it is.
+
+    Raises:
+      ValueError: `rng` is None on a sampling call.
+      TypeError: `rng` is not a key (e.g. the int ``0``); the message names its type.
+    """
+    if deterministic:
+        return
+    if rng is None:
         raise ValueError(
             f"{name}: rng is required when deterministic=False (the mechanism samples); "
             "pass a jax.random.key or deterministic=True"
+        )
+    if not _is_key(rng):
+        raise TypeError(
+            f"{name}: rng must be a jax.random.key (or a legacy uint32[2] jax.random.PRNGKey), "
+            f"got {type(rng).__name__} {_short(rng)}; e.g. rng=jax.random.key(0)"
         )
 
 
@@ -80,7 +105,13 @@ def check_choice(name: str, key: str, value, choices) -> None:
 
 
 def require_params(name: str, params, *keys: str) -> None:
-    """Checks that `params` has every one of `keys` (the mechanism's ``init`` makes them)."""
+    """Checks that `params` is a mapping with every one of `keys` (the mechanism's ``init``
+    makes them); TypeError for None or another kind of tree, ValueError for a missing key."""
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            f"{name}: params must be the dict returned by la.get({name!r}).init (keys "
+            f"{list(keys)}), got {type(params).__name__} {_short(params)}"
+        )
     for key in keys:
         if key not in params:
             raise ValueError(
@@ -93,8 +124,13 @@ def check_params(name: str, params, expected: dict) -> None:
     """Checks that ``params[key].shape == shape`` for each entry of `expected`."""
     require_params(name, params, *expected)
     for key, shape in expected.items():
-        if tuple(params[key].shape) != tuple(shape):
+        if tuple(jnp.shape(params[key])) != tuple(shape):
             raise ValueError(
-                f"{name}: params[{key!r}] has shape {tuple(params[key].shape)}, expected "
+                f"{name}: params[{key!r}] has shape {tuple(jnp.shape(params[key]))}, expected "
                 f"{tuple(shape)} for these inputs"
             )
+
+
+def _short(x, limit: int = 60) -> str:
+    text = repr(x)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

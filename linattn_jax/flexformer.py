@@ -397,8 +397,7 @@ def spectral_samples(params):
 
 
 def _check_freqs(name, params, keys, h, d, extra=None):
-    if keys[0] not in params:
-        raise ValueError(f"{name}: params is missing {keys[0]!r}; got keys {sorted(params)}")
+    _checks.require_params(name, params, keys[0])
     w = params[keys[0]]
     if w.ndim != 3 or w.shape[0] != h or w.shape[2] != d:
         raise ValueError(
@@ -539,6 +538,7 @@ MECHANISM_S = register(
         stochastic=False,
         fixed_fn=_fixed_s,
         feature_map_spec=FEATURE_MAPS["flexformer_s"],
+        params_config_fn=lambda params: {"num_features": params["omega"].shape[1]},
         description="learnable spectral RFF, stationary (Bochner); Flexformer_s, O(T)",
     )
 )
@@ -553,6 +553,7 @@ MECHANISM_N = register(
         stochastic=False,
         fixed_fn=_fixed_n,
         feature_map_spec=FEATURE_MAPS["flexformer_n"],
+        params_config_fn=lambda params: {"num_features": params["omega1"].shape[1]},
         description="learnable spectral RFF pairs + scale, non-stationary (Yaglom); "
         "Flexformer_n, O(T)",
     )

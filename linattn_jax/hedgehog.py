@@ -3,15 +3,24 @@
 ``phi(x) = [softmax(W x + b); softmax(-(W x + b))]`` over the feature axis, W
 ``[H, d, d]`` per head initialised to the identity and b ``[H, d]`` to zero;
 2d positive features, then the shared linear-attention core.
+
+Each softmax gets `FEATURE_EPS` times its own largest entry added to every entry (as
+FAVOR+ does), so no feature underflows to 0 at large ``|W x + b|``: a query and a key
+whose large features sit on different axes still have ``phi(q) . phi(k) >= FEATURE_EPS /
+d`` of their scale, and the attention ratio stays exact (with every key identical it is
+the mean of v at any input scale) instead of meeting the core's denominator guard.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+from jax import lax
 
 from linattn_jax import _checks, core
 from linattn_jax.registry import Mechanism, register
+
+#: Added to every softmax feature, relative to the largest one of its half (see above).
+FEATURE_EPS = 1e-6
 
 
 def init(rng, *, num_heads: int, head_dim: int):
@@ -24,13 +33,20 @@ def init(rng, *, num_heads: int, head_dim: int):
     }
 
 
+def _softmax(a):
+    """``softmax(a) + FEATURE_EPS max(softmax(a))`` over the last axis, in the ops of a
+    softmax: with ``e = exp(a - max a)`` (max detached) the largest entry is ``1 / sum e``."""
+    e = jnp.exp(a - lax.stop_gradient(jnp.max(a, axis=-1, keepdims=True)))
+    return (e + FEATURE_EPS) / jnp.sum(e, axis=-1, keepdims=True)
+
+
 def feature_map(x, params):
-    """``[B, T, H, d] -> [B, T, H, 2d]`` float32, positive, each half summing to 1."""
+    """``[B, T, H, d] -> [B, T, H, 2d]`` float32, positive, each half summing to 1 (to
+    ``1 + d FEATURE_EPS`` of its largest entry)."""
     # heads first, as the per-head product writes it (`core.heads_last`)
     a = jnp.einsum("bthd,hed->bhte", x.astype(jnp.float32), params["w"])
     a = a + params["b"][None, :, None]
-    phi = jnp.concatenate([jax.nn.softmax(a, axis=-1), jax.nn.softmax(-a, axis=-1)], axis=-1)
-    return core.heads_last(phi)
+    return core.heads_last(jnp.concatenate([_softmax(a), _softmax(-a)], axis=-1))
 
 
 FEATURE_MAP = core.FeatureMap(

@@ -1,12 +1,24 @@
-"""Linear attention with the elu+1 feature map (Katharopoulos et al. 2020)."""
+"""Linear attention with the elu+1 feature map (Katharopoulos et al. 2020).
+
+Every feature gets `FEATURE_EPS` times its token's largest feature added (as FAVOR+
+does): for a large negative coordinate ``elu(x) + 1 = exp(x)`` underflows, and a query
+and a key whose positive coordinates do not overlap would otherwise have
+``phi(q) . phi(k)`` below what float32 (or the gradient of the ratio) can hold. With
+the eps the attention ratio stays exact at any input scale (every key identical gives
+the mean of v).
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from linattn_jax import _checks, core
 from linattn_jax.registry import Mechanism, register
+
+#: Added to every feature, relative to the token's largest feature (see above).
+FEATURE_EPS = 1e-6
 
 
 def init(rng, *, num_heads: int, head_dim: int):
@@ -16,9 +28,12 @@ def init(rng, *, num_heads: int, head_dim: int):
 
 
 def feature_map(x, params=None):
-    """``phi(x) = elu(x) + 1`` (positive), ``[..., D] -> [..., D]`` float32."""
+    """``phi(x) = elu(x) + 1 + FEATURE_EPS max(elu(x) + 1)`` (positive), ``[..., D] -> [..., D]``
+    float32; the max (over the token's D features, detached) is ``elu(max x) + 1``."""
     del params
-    return jax.nn.elu(x.astype(jnp.float32)) + 1.0
+    x = x.astype(jnp.float32)
+    top = lax.stop_gradient(jax.nn.elu(jnp.max(x, axis=-1, keepdims=True)))
+    return jax.nn.elu(x) + (1.0 + FEATURE_EPS * (top + 1.0))
 
 
 FEATURE_MAP = core.FeatureMap(

@@ -81,7 +81,12 @@ def supported_names() -> list[str]:
 
 def _check_mesh(mesh: Mesh, axis: str, batch_axes: Sequence[str]) -> None:
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"sequence_parallel: mesh must be a jax.sharding.Mesh, got {type(mesh)}")
+        got = f"{type(mesh).__name__} of {len(mesh)}" if isinstance(mesh, list | tuple) else ""
+        raise TypeError(
+            f"sequence_parallel: mesh must be a jax.sharding.Mesh, got {got or type(mesh).__name__}"
+            f" {mesh!r:.80}; make one from a device list with jax.sharding.Mesh(np.array("
+            "devices), ('seq',)) or jax.make_mesh((n,), ('seq',))"
+        )
     names = tuple(mesh.axis_names)
     if axis not in names:
         raise ValueError(f"sequence_parallel: mesh axes {names} have no sequence axis {axis!r}")
@@ -235,10 +240,18 @@ def sequence_parallel(
       **config)`` with the contract of ``mechanism.attention``; the output is sharded like q.
 
     Raises:
+      TypeError: `mechanism` is not a `Mechanism`, or `mesh` is not a Mesh (e.g. a list of
+        devices).
       NotImplementedError: the mechanism is not one of `supported_names` (at call time: a
         Nystrom-family ``grid``).
       ValueError: the mesh has no `axis`, or (at call time) T or B do not divide.
     """
+    if not isinstance(mechanism, registry.Mechanism):
+        raise TypeError(
+            "sequence_parallel: mechanism must be a registry Mechanism (la.get(name)), got "
+            f"{type(mechanism).__name__} {mechanism!r}"
+        )
+    _check_mesh(mesh, axis, () if batch_axes is None else tuple(batch_axes))
     fmap = mechanism.feature_map
     if fmap is None and mechanism.name not in (*_REDUCING, "lara"):
         raise NotImplementedError(
@@ -248,7 +261,6 @@ def sequence_parallel(
     batch_axes = (
         tuple(a for a in mesh.axis_names if a != axis) if batch_axes is None else batch_axes
     )
-    _check_mesh(mesh, axis, tuple(batch_axes))
     bspec = tuple(batch_axes) or None
     seq = PartitionSpec(bspec, axis, None, None)
     seq_mask = PartitionSpec(bspec, axis)

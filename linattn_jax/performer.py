@@ -202,6 +202,7 @@ MECHANISM = register(
         stochastic=True,
         fixed_fn=lambda: frozenset({"features"}),
         feature_map_spec=FEATURE_MAP,
+        params_config_fn=lambda params: {"num_features": params["features"].shape[1]},
         description="FAVOR+ positive orthogonal random features (Choromanski et al. 2021), O(T)",
     )
 )

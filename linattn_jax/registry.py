@@ -11,6 +11,11 @@ keyword-only parameters other than the structural ones), so a default is
 written once, beside the code that uses it. `Mechanism.bind` fixes config
 values; `Mechanism.init` / `Mechanism.attention` validate the keys and forward
 to each function only the keys it declares.
+
+Config values are checked where they are set: `Mechanism.bind` rejects a size key
+(`SIZE_KEYS`) that is not an int >= 1, and a bound or call-time value that contradicts
+the params' shapes (`Mechanism.params_config_fn`, e.g. ``num_features``) is a ValueError
+at call time, never silently ignored.
 """
 
 from __future__ import annotations
@@ -23,6 +28,21 @@ from typing import Any
 
 # Keyword-only parameters that are part of the call protocol, not config.
 _STRUCTURAL = frozenset({"num_heads", "head_dim", "mask", "causal", "deterministic"})
+
+#: Config keys that are sizes or counts, whichever mechanism takes them: each must be an
+#: int >= 1 (checked by `Mechanism.bind` and at call time).
+SIZE_KEYS = frozenset({"num_features", "num_landmarks", "num_samples", "chunk_size", "ns_iters"})
+
+
+def _check_sizes(name: str, config: Mapping[str, Any]) -> None:
+    for key in SIZE_KEYS & set(config):
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"mechanism {name!r}: {key} must be an int >= 1, got {value!r}")
+
+
+def _param_shapes(params) -> dict[str, Any]:
+    return {k: tuple(getattr(v, "shape", ())) for k, v in params.items()}
 
 
 def _config_params(fn: Callable) -> dict[str, Any]:
@@ -55,6 +75,10 @@ class Mechanism:
       feature_map_spec: the `linattn_jax.core.FeatureMap` of a feature-map mechanism
         (what its `attention_fn` hands to the shared core), None for the others; read it
         as `feature_map` (bound to this record's config).
+      params_config_fn: ``(params) -> {key: value}``, the config values that the shapes
+        of `params` imply (e.g. performer's ``num_features``), for the keys that only
+        `init_fn` reads; None if there are none. A bound or call-time value that differs
+        raises ValueError instead of being ignored.
     """
 
     name: str
@@ -67,6 +91,7 @@ class Mechanism:
     description: str = ""
     reference_fn: Callable[..., Any] | None = None
     feature_map_spec: Any = None
+    params_config_fn: Callable[[Any], dict[str, Any]] | None = None
 
     @property
     def feature_map(self):
@@ -94,7 +119,12 @@ class Mechanism:
             )
 
     def bind(self, **config) -> Mechanism:
-        """Returns this mechanism with `config` values fixed (later calls may override)."""
+        """Returns this mechanism with `config` values fixed (later calls may override).
+
+        Raises:
+          TypeError: an unknown key or an unhashable value.
+          ValueError: a size (`SIZE_KEYS`) that is not an int >= 1.
+        """
         self._check_keys(config)
         for key, value in config.items():
             try:
@@ -104,14 +134,34 @@ class Mechanism:
                     f"mechanism {self.name!r}: config {key}={value!r} must be hashable "
                     "(config is static under jit)"
                 ) from e
+        _check_sizes(self.name, config)
         merged = MappingProxyType({**self.config, **config})
         return dataclasses.replace(self, config=merged)
 
     def _split(self, fn: Callable, config: Mapping[str, Any]) -> dict[str, Any]:
         self._check_keys(config)
+        _check_sizes(self.name, config)
         merged = {**self.config, **config}
         wanted = _config_params(fn)
         return {k: v for k, v in merged.items() if k in wanted}
+
+    def _check_params_config(self, params, config: Mapping[str, Any]) -> None:
+        """A bound or call-time value of a key that `params`' shapes fix must agree with them."""
+        if self.params_config_fn is None or not isinstance(params, Mapping):
+            return  # the mechanism's own checks name a params of the wrong kind
+        given = {**self.config, **config}
+        try:
+            implied = self.params_config_fn(params)
+        except (KeyError, AttributeError, IndexError, TypeError):
+            return  # a params tree of the wrong layout: the mechanism's own checks name it
+        for key, value in implied.items():
+            if key in given and given[key] != value:
+                where = "passed at call time" if key in config else "bound"
+                raise ValueError(
+                    f"mechanism {self.name!r}: {key}={given[key]!r} ({where}) contradicts "
+                    f"params made with {key}={value!r} (param shapes {_param_shapes(params)}); "
+                    f"pass params from init with {key}={given[key]!r}, or leave {key} unset"
+                )
 
     def init(self, rng, *, num_heads: int, head_dim: int, **config):
         """Creates the mechanism's params (a pytree, ``{}`` if none)."""
@@ -123,6 +173,7 @@ class Mechanism:
         self, q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, **config
     ):
         """Runs the mechanism; see the class docstring for shapes."""
+        self._check_params_config(params, config)
         return self.attention_fn(
             q,
             k,
@@ -141,6 +192,7 @@ class Mechanism:
         """The naive quadratic reference of `attention` (same arguments)."""
         if self.reference_fn is None:
             raise NotImplementedError(f"mechanism {self.name!r} has no separate reference")
+        self._check_params_config(params, config)
         return self.reference_fn(
             q,
             k,

@@ -39,9 +39,18 @@ def init(rng, *, num_heads: int, head_dim: int, num_features: int = 128, gate: b
     return params
 
 
+#: Added under the square root of `_unit`'s norm: below float32's resolution of any squared
+#: norm >= 1e-12 (so those norms are unchanged bit for bit), it keeps the square root's
+#: derivative at an all-zero vector finite, so the zero gradient that reaches it through
+#: the maximum stays 0 (the bare norm inside the maximum gave 0 * inf = NaN).
+_TINY_SQ = 1e-30
+
+
 def _unit(x):
+    """``x / max(|x|, 1e-6)`` along the last axis (float32); an all-zero x gives zeros, with
+    finite (zero) gradients."""
     x = x.astype(jnp.float32)
-    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-6)
+    return x / jnp.maximum(jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _TINY_SQ), 1e-6)
 
 
 def feature_map(x, params, features=None):
@@ -145,6 +154,7 @@ MECHANISM = register(
         stochastic=True,
         fixed_fn=lambda: frozenset({"features"}),
         feature_map_spec=FEATURE_MAP,
+        params_config_fn=lambda params: {"num_features": params["features"].shape[1]},
         description="random feature attention, trig features, learnable sigma, gate (Peng et al. "
         "2021), O(T)",
     )

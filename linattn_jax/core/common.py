@@ -8,8 +8,16 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-#: Denominators with ``|r| <= DENOMINATOR_EPS`` are pushed away from zero.
-DENOMINATOR_EPS = 1e-6
+#: Denominators with ``|r| <= DENOMINATOR_EPS`` are pushed away from zero. Not a modelling
+#: constant but float32's limit: the guard is for a row with no visible key (den exactly 0)
+#: and for underflow, never for a well-defined row. The feature maps keep their
+#: denominators far above it relative to the data (each positive feature carries an eps
+#: relative to its token's largest feature, so ``phi(q) . phi(k)`` cannot underflow), and
+#: a tiny positive denominator of positive weights is divided exactly (its numerator is as
+#: small). At 1e-18 the gradient of the ratio, ``num / den^2``, stays finite in float32
+#: (1 / (2 eps)^2 < 3.4e38). An absolute 1e-6 here shrank every output whose stabilised
+#: denominator fell below it (performer and hedgehog at input scales >= 10, issue 34).
+DENOMINATOR_EPS = 1e-18
 
 _f32 = jnp.float32
 #: Added under the square roots of feature norms: an all-zero feature row gets a finite
@@ -23,9 +31,10 @@ def guard_denominator(den, eps: float = DENOMINATOR_EPS, floor=None):
     This is the Performer sin/cos variant's guard: it leaves every well-scaled
     denominator unchanged, works for features that can be negative (trigonometric
     random features), and makes an all-zero row (every key masked) divide its
-    zero numerator by ``2 eps`` instead of 0. With `floor` (an array broadcasting
-    against `den`, >= 0; the relative floor of the module docstring) ``|den|`` is first
-    raised to at least `floor`, keeping its sign.
+    zero numerator by ``2 eps`` instead of 0 (see `DENOMINATOR_EPS` for its size). With
+    `floor` (an array broadcasting against `den`, >= 0; the relative floor of the module
+    docstring, which keeps features that can cancel away from 0 relative to their terms)
+    ``|den|`` is first raised to at least `floor`, keeping its sign.
     """
     sign = jnp.where(den < 0, -1.0, 1.0).astype(den.dtype)
     if floor is not None:
