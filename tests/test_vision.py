@@ -92,8 +92,8 @@ def test_vit_sharded_steps_every_mechanism(tmp_path, grid_spy, attention):
     grids = {g for n, g in grid_spy if n == attention}
     if "grid" in la.get(attention).defaults:  # the 4 x 4 patch grid reached the mechanism
         assert grids == {(4, 4)}, grids
-    elif attention == "softmax":  # the modules run flax's own dot_product_attention for it
-        assert grids == set(), grids
+    elif attention in ("softmax", "ra"):  # the modules run flax's dot_product_attention and
+        assert grids == set(), grids  # la.ra.ra_flax_attention (any flax mask) for these
     else:
         assert grids == {"absent"}
 
