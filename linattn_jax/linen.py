@@ -172,9 +172,9 @@ class MultiHeadAttention(nn.Module):
       num_heads, dtype, param_dtype, qkv_features, out_features, broadcast_dropout,
       dropout_rate, deterministic, precision, kernel_init, out_kernel_init, bias_init,
       out_bias_init, use_bias, decode, normalize_qk, force_fp32_for_softmax: as in flax.
-        ``dropout_rate > 0`` and ``force_fp32_for_softmax`` apply to softmax (the others
-        compute in float32 and refuse dropout). The default `kernel_init` carries logical
-        axis names; one you pass is used as given. `attention_fn` must stay None.
+        ``dropout_rate > 0`` applies to softmax and ra, ``force_fp32_for_softmax`` to softmax
+        (the others compute in float32 and refuse dropout). The default `kernel_init`
+        carries logical axis names; one you pass is used as given. `attention_fn` must stay None.
     Keyword-only (ours):
       attention: registry name of the mechanism.
       attention_config: config bound to the mechanism, as a dict or a tuple of
@@ -297,7 +297,7 @@ class MultiHeadAttention(nn.Module):
     def _attend(self, mech, q, k, v, params, mask, causal, deterministic, dropout_rng, sow):
         det = self.deterministic if deterministic is None else deterministic
         dropout = self.dropout_rate > 0
-        if dropout and (mech.name != "softmax" or self.mesh is not None):
+        if dropout and (mech.name not in ("softmax", "ra") or self.mesh is not None):
             mu.refuse_unsupported(
                 mech.name + " (sequence-parallel)" * (self.mesh is not None),
                 dropout_rate=self.dropout_rate,
@@ -328,7 +328,7 @@ class MultiHeadAttention(nn.Module):
             k,
             v,
             params,
-            None if dropout else rng,
+            rng if not dropout or mech.name == "ra" else None,  # ra: fold_in(rng, 1)
             mask=mu.flax_mask(mask, k.shape[0], k.shape[1]),
             causal=causal,
             deterministic=not (dropout and det is False),

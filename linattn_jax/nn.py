@@ -158,7 +158,7 @@ class MultiHeadAttention(nnx.Module):
 
     Args (flax's, same defaults): num_heads, in_features, qkv_features, out_features,
       num_kv_heads (only None or num_heads), in_kv_features, dtype, param_dtype,
-      broadcast_dropout, dropout_rate (softmax only), deterministic, precision,
+      broadcast_dropout, dropout_rate (softmax and ra only), deterministic, precision,
       kernel_init (the default carries logical axis names), out_kernel_init, bias_init,
       out_bias_init, use_bias, decode, normalize_qk, rngs, keep_rngs. `attention_fn` must
       stay None.
@@ -338,7 +338,7 @@ class MultiHeadAttention(nnx.Module):
             return self.out(out, out_sharding=out_sharding)
         det = self.deterministic if deterministic is None else deterministic
         dropout = self.dropout_rate > 0
-        if dropout and (self.mech.name != "softmax" or self.attend is not None):
+        if dropout and (self.mech.name not in ("softmax", "ra") or self.attend is not None):
             mu.refuse_unsupported(
                 self.mech.name + " (sequence-parallel)" * (self.attend is not None),
                 dropout_rate=self.dropout_rate,
@@ -357,7 +357,7 @@ class MultiHeadAttention(nnx.Module):
             k,
             v,
             params,
-            None if dropout else rng,
+            rng if not dropout or self.mech.name == "ra" else None,  # ra: fold_in(rng, 1)
             mask=mu.flax_mask(mask, k.shape[0], k.shape[1]),
             causal=bool(is_causal or causal),
             deterministic=not (dropout and det is False),

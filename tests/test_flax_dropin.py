@@ -301,3 +301,30 @@ def test_ra_attention_fn_dropout_rng_semantics():
         dropout_rng=key,
     )
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_ra_dropout_in_our_modules_equals_flax_class():
+    """ra with dropout in la.linen / la.nn.MultiHeadAttention equals flax's own classes with
+    ``attention_fn("ra")``: the same keep mask (flax's dropout stream) and the same draws."""
+    causal = nn.make_causal_mask(X[..., 0])
+    rngs = {"dropout": jax.random.key(2)}
+    base = nn.MultiHeadDotProductAttention(
+        num_heads=H, dropout_rate=0.5, deterministic=False, attention_fn=la.linen.attention_fn("ra")
+    )
+    variables = base.init(jax.random.key(0), X)
+    want = base.apply(variables, X, mask=causal, rngs=rngs)
+    ours = la.linen.MultiHeadAttention(
+        num_heads=H, dropout_rate=0.5, deterministic=False, attention="ra"
+    )
+    np.testing.assert_allclose(
+        ours.apply(variables, X, mask=causal, rngs=rngs), want, rtol=1e-6, atol=1e-6
+    )
+    ref = _nnx("ra", 0.5, la.nn.attention_fn("ra"))
+    mine = _nnx("ra", 0.5, attention="ra")
+    nnx.update(mine, nnx.state(ref, nnx.Param))
+    np.testing.assert_allclose(
+        mine(X, mask=causal, deterministic=False, rngs=nnx.Rngs(dropout=5)),
+        ref(X, mask=causal, deterministic=False, rngs=nnx.Rngs(dropout=5)),
+        rtol=1e-6,
+        atol=1e-6,
+    )
