@@ -56,6 +56,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from linattn_jax import core, landmarks, laplacian, lara, nystromformer, registry, soft
+from linattn_jax.core.causal import _causal_fused, _fused_block_state
 
 _f32 = jnp.float32
 
@@ -133,6 +134,9 @@ def _exclusive_prefix(summary: core.RecurrentState, total_log_decay, axis: str):
 
 
 def _feature_map_body(fmap, causal, chunk_size, axis):
+    if causal and fmap.token_wise:
+        return _fused_causal_body(fmap, chunk_size, axis)
+
     def body(q, k, v, params, extra, mask=None):
         del extra
         phi_q = fmap.query(q, params)
@@ -168,6 +172,22 @@ def _feature_map_body(fmap, causal, chunk_size, axis):
             key_log_scale=keys.log_scale,
             den_floor=den_floor,
         )
+        return out.astype(q.dtype)
+
+    return body
+
+
+def _fused_causal_body(fmap, chunk_size, axis):
+    """The causal body of a token-wise map: features computed chunk by chunk inside the
+    scans, never ``[B, T/n, H, M]`` at once (in the forward pass). One scan over this
+    device's keys gives its summary (`_fused_block_state`); the summaries before it, folded
+    (`_exclusive_prefix`), start the scan of its outputs (`_causal_fused`)."""
+
+    def body(q, k, v, params, extra, mask=None):
+        del extra
+        summary, total = _fused_block_state(fmap, params, k, v, mask, chunk_size, {})
+        prefix = _exclusive_prefix(summary, total, axis)
+        out = _causal_fused(fmap, params, q, k, v, mask, chunk_size, fmap.den_floor(), {}, prefix)
         return out.astype(q.dtype)
 
     return body
