@@ -15,7 +15,14 @@ T-long tensor of another device:
   `linattn_jax.core.block_state`, the summaries (``[B, H, M, Dv]`` each) are gathered, and
   every device folds those of the devices before it (`linattn_jax.core.combine_states`:
   decays such as rfa's gate and the key log-scales of performer and flexformer carried
-  exactly) into the initial state of its own chunked causal pass.
+  exactly) into the initial state of its own chunked causal pass. For a token-wise map
+  (``FeatureMap.token_wise``: all of the registered ones) both computations take their
+  features chunk by chunk inside a scan, as one device's causal call does: the summary
+  is a scan of chunk states folded by `combine_states` (the backward pass recomputes each
+  chunk's features), and the causal pass (`core.causal._causal_fused`) starts from the
+  gathered prefix. No device then holds its ``[B, T/n, H, M]`` features in the forward
+  pass; per-device memory, forward and forward+backward, is about 1/n of one device's
+  (docs/performance.md, "Issue 36"). Other maps map the device's block whole.
 * **The Nystrom family** (nystromformer, soft, laplacian; non-causal): each device sums its
   tokens into the landmark segments of the whole sequence
   (`linattn_jax.landmarks.sharded_landmarks`: the same segments as the one-device call,

@@ -2,6 +2,9 @@
 `lax.scan` over chunk states across chunks), from precomputed features
 (`causal_linear_attention_from`, `_causal_chunked`) or with a token-wise feature map's
 features computed chunk by chunk inside the scan (`_causal_fused`); both run `_chunk_scan`.
+`_fused_block_state` is the key summary (`block_state`) of such a map, likewise chunk by
+chunk: the sequence-parallel causal pass (`linattn_jax.parallel`) gathers it across devices
+and starts `_causal_fused` from the devices' before it.
 """
 
 from __future__ import annotations
