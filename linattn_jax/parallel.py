@@ -15,7 +15,14 @@ T-long tensor of another device:
   `linattn_jax.core.block_state`, the summaries (``[B, H, M, Dv]`` each) are gathered, and
   every device folds those of the devices before it (`linattn_jax.core.combine_states`:
   decays such as rfa's gate and the key log-scales of performer and flexformer carried
-  exactly) into the initial state of its own chunked causal pass.
+  exactly) into the initial state of its own chunked causal pass. For a token-wise map
+  (``FeatureMap.token_wise``: all of the registered ones) both computations take their
+  features chunk by chunk inside a scan, as one device's causal call does: the summary
+  is a scan of chunk states folded by `combine_states` (the backward pass recomputes each
+  chunk's features), and the causal pass (`core.causal._causal_fused`) starts from the
+  gathered prefix. No device then holds its ``[B, T/n, H, M]`` features in the forward
+  pass; per-device memory, forward and forward+backward, is about 1/n of one device's
+  (docs/performance.md, "Issue 36"). Other maps map the device's block whole.
 * **The Nystrom family** (nystromformer, soft, laplacian; non-causal): each device sums its
   tokens into the landmark segments of the whole sequence
   (`linattn_jax.landmarks.sharded_landmarks`: the same segments as the one-device call,
@@ -56,6 +63,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from linattn_jax import core, landmarks, laplacian, lara, nystromformer, registry, soft
+from linattn_jax.core.causal import _causal_fused, _fused_block_state
 
 _f32 = jnp.float32
 
@@ -133,6 +141,9 @@ def _exclusive_prefix(summary: core.RecurrentState, total_log_decay, axis: str):
 
 
 def _feature_map_body(fmap, causal, chunk_size, axis):
+    if causal and fmap.token_wise:
+        return _fused_causal_body(fmap, chunk_size, axis)
+
     def body(q, k, v, params, extra, mask=None):
         del extra
         phi_q = fmap.query(q, params)
@@ -168,6 +179,22 @@ def _feature_map_body(fmap, causal, chunk_size, axis):
             key_log_scale=keys.log_scale,
             den_floor=den_floor,
         )
+        return out.astype(q.dtype)
+
+    return body
+
+
+def _fused_causal_body(fmap, chunk_size, axis):
+    """The causal body of a token-wise map: features computed chunk by chunk inside the
+    scans, never ``[B, T/n, H, M]`` at once (in the forward pass). One scan over this
+    device's keys gives its summary (`_fused_block_state`); the summaries before it, folded
+    (`_exclusive_prefix`), start the scan of its outputs (`_causal_fused`)."""
+
+    def body(q, k, v, params, extra, mask=None):
+        del extra
+        summary, total = _fused_block_state(fmap, params, k, v, mask, chunk_size, {})
+        prefix = _exclusive_prefix(summary, total, axis)
+        out = _causal_fused(fmap, params, q, k, v, mask, chunk_size, fmap.den_floor(), {}, prefix)
         return out.astype(q.dtype)
 
     return body

@@ -444,11 +444,18 @@ def test_report_subcommand_reads_the_json_files(tmp_path, capsys):
 def test_parallel_subcommand(capsys):
     argv = ["parallel", "--attentions", "linear_elu", "--seq_len", "64", "--shards", "2"]
     rows, stdout = _run(capsys, argv)
-    assert [(r["attention"], r["causal"]) for r in rows] == [("linear_elu", False)] + [
-        ("linear_elu", True)
+    assert [(r["attention"], r["causal"], r["pass"]) for r in rows] == [
+        ("linear_elu", c, p) for c in (False, True) for p in ("fwd", "fwd_bwd")
     ]
     assert all(_positive(r["one"]) and _positive(r[2]) for r in rows)
-    assert "| linear_elu | False |" in stdout and "2 devices (ratio)" in stdout
+    fwd, fwd_bwd = rows[0], rows[1]
+    assert fwd["one"] < fwd_bwd["one"]  # the backward pass holds more
+    assert "| linear_elu | False | fwd_bwd |" in stdout and "2 devices (ratio)" in stdout
+    rows, _ = _run(capsys, [*argv, "--passes", "fwd"])
+    assert [r["pass"] for r in rows] == ["fwd", "fwd"]
+    with pytest.raises(SystemExit):  # an unknown pass
+        bench.main([*argv, "--passes", "bwd"])
+    assert "--passes 'bwd'" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # more shards than devices: a clear error, not a crash
         bench.main(argv[:-1] + ["1024"])
     assert "xla_force_host_platform_device_count=1024" in capsys.readouterr().err

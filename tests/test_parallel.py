@@ -13,6 +13,9 @@ from linattn_jax import parallel
 _CAUSAL = {n: (False, True) if la.get(n).supports_causal else (False,) for n in la.names()}
 _CASES = [(n, {}, c) for n in parallel.supported_names() for c in _CAUSAL[n]]
 _CASES.append(("rfa", {"gate": True}, True))
+# Chunks of 3 over 4 tokens per device: the padded tail of each device's key summary must
+# neither decay the state (rfa's gate) nor count as keys.
+_CASES.append(("rfa", {"gate": True, "chunk_size": 3}, True))
 # A denominator floor active on most rows: its mass channel crosses the devices too.
 _CASES += [("flexformer_n", {"den_floor": 0.9}, c) for c in (False, True)]
 # Landmark segments split by the device boundaries (3 per 16 tokens); query landmarks and
@@ -35,6 +38,11 @@ _CASES += [
 # nystromformer: the key softmax over devices; laplacian: landmarks, whitening, the local
 # branch's halo and the params (lambda, filters).
 _GRAD_CASES = [("performer", {}, True), ("rfa", {"gate": True}, True), ("hedgehog", {}, False)]
+# The sharded causal pass of every token-wise map (features inside its scans, the key
+# summary's chunks recomputed in the backward pass); padded chunks; the floor's mass channel.
+_GRAD_CASES += [(n, {}, True) for n in ("linear_elu", "hedgehog", "flexformer_s")]
+_GRAD_CASES += [("rfa", {"gate": True, "chunk_size": 3}, True)]
+_GRAD_CASES += [("flexformer_n", {"den_floor": 0.9}, True)]
 _GRAD_CASES += [
     ("nystromformer", {"num_landmarks": 3}, False),
     ("laplacian", {"num_landmarks": 3, "local_window": 5}, False),
@@ -48,7 +56,7 @@ def _mesh(data=2, seq=4):
 
 def _setup(name, config, causal, t=16, b=2, h=2, d=8):
     chunk = {"chunk_size": 2} if la.get(name).feature_map is not None else {}
-    m = mech(name, **chunk, **config)
+    m = mech(name, **{**chunk, **config})
     params = init(m)
     ks = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(kk, (b, t, h, d)) for kk in ks)
@@ -153,6 +161,29 @@ def test_per_device_memory_falls_with_the_shards(causal):
     one = per_device_memory("performer", 4096, 1, causal=causal, h=2, d=16)
     four = per_device_memory("performer", 4096, 4, causal=causal, h=2, d=16)
     assert four < 0.4 * one, (one, four)
+
+
+_TOKEN_WISE = [
+    n
+    for n in parallel.supported_names()
+    if la.get(n).feature_map is not None and la.get(n).supports_causal
+]
+
+
+@pytest.mark.parametrize("name", _TOKEN_WISE)
+def test_sharded_causal_forward_holds_no_block_of_features(name):
+    """The sharded causal pass computes its features inside its scans: its forward pass over
+    4 shards holds about a quarter of one device's memory (which never holds the whole
+    sequence's features either), not a device's ``[B, T/4, H, M]`` query and key features
+    (M = 16-256 against d = 16; the pass that held them: 0.43 of one device's for
+    linear_elu, 3.0 for performer, 3.5 for flexformer_n). Compiled, not run: T = 16k costs
+    what a short sequence does."""
+    from train.bench.parallel import per_device_memory
+
+    assert la.get(name).feature_map.token_wise
+    one = per_device_memory(name, 16384, 1, causal=True, h=2, d=16, backward=False)
+    four = per_device_memory(name, 16384, 4, causal=True, h=2, d=16, backward=False)
+    assert four < 0.35 * one, (one, four)
 
 
 def test_linen_and_nnx_modules_run_sequence_parallel_under_jit():

@@ -2,6 +2,9 @@
 `lax.scan` over chunk states across chunks), from precomputed features
 (`causal_linear_attention_from`, `_causal_chunked`) or with a token-wise feature map's
 features computed chunk by chunk inside the scan (`_causal_fused`); both run `_chunk_scan`.
+`_fused_block_state` is the key summary (`block_state`) of such a map, likewise chunk by
+chunk: the sequence-parallel causal pass (`linattn_jax.parallel`) gathers it across devices
+and starts `_causal_fused` from the devices' before it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from linattn_jax.core.common import (
     guard_denominator,
     key_mask,
 )
-from linattn_jax.core.recurrent import RecurrentState, recurrent_init
+from linattn_jax.core.recurrent import RecurrentState, block_state, combine_states, recurrent_init
 
 
 def _chunking(t: int, chunk_size: int):
@@ -93,41 +96,87 @@ def _causal_chunked(
     return _chunk_scan(lambda x: x, tuple(map(chunks, xs)), t, eps, initial_state, den_floor)
 
 
-def _causal_fused(fmap, params, q, k, v, mask, chunk_size, den_floor, config):
+def _token_chunks(chunk_size, mask, v, *xs):
+    """``(v, keep, *xs)`` of ``[B, T, ...]`` tokens in the n chunks of `_chunking`, as
+    ``[n, B, c, ...]`` (token-major, as a feature map takes them), `keep` the ``[B, T]`` key
+    mask (all True when `mask` is None). Padded tokens repeat the last one in `xs` (finite
+    features whatever the map), have zero values and are masked out as keys."""
+    b, t = v.shape[:2]
+    c, n, pad = _chunking(t, chunk_size)
+    keep = key_mask(mask, t, b)
+    if pad:
+        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+        xs = tuple(jnp.pad(x, widths, mode="edge") for x in xs)
+        v, keep = jnp.pad(v, widths), jnp.pad(keep, widths[:2])
+
+    def chunks(x):  # [B, n*c, ...] -> [n, B, c, ...]
+        return jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)
+
+    return tuple(map(chunks, (v, keep, *xs)))
+
+
+def _chunk_keys(fmap, params, kc, keepc, config):
+    """One chunk's `KeyFeatures` with the key mask applied: ``(phi, ns, log_decay)``, ns the
+    masked log-scales (`_masked_log_scale`), log_decay None without a decay."""
+    keys = fmap.key(kc, params, **config)
+    _check_one_key_weighting(keys.log_decay, keys.log_scale)
+    phi = _apply_key_mask(keys.phi.astype(_f32), keepc)
+    ns = _masked_log_scale(keys.log_scale, keepc, phi.shape[:3])
+    return phi, ns, keys.log_decay
+
+
+def _causal_fused(fmap, params, q, k, v, mask, chunk_size, den_floor, config, initial_state=None):
     """Causal `linear_attention` of a token-wise `FeatureMap` with its features computed
     chunk by chunk inside the scan, so the forward pass never holds the ``[B, T, H, M]``
     features of the whole sequence (one chunk's at a time, in cache). Equal to
     ``linear_attention(fmap.query(q), fmap.key(k).phi, v, causal=True, ...)`` to rounding
-    (tested for every token-wise map); ``[B, T, H, Dv]`` float32."""
-    b, t = q.shape[:2]
-    c, n, pad = _chunking(t, chunk_size)
-    keep = key_mask(mask, t, b)
-    if pad:
-        # Padded tokens repeat the last one (finite features whatever the map) and are
-        # masked out as keys; their queries are dropped.
-        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
-        q, k = (jnp.pad(x, widths, mode="edge") for x in (q, k))
-        v, keep = jnp.pad(v, widths), jnp.pad(keep, widths[:2])
-
-    def chunks(x):  # [B, n*c, ...] -> [n, B, c, ...] (token-major, as the feature map takes it)
-        return jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)
+    (tested for every token-wise map); ``[B, T, H, Dv]`` float32. `initial_state`: the
+    `RecurrentState` of the keys before this sequence (as `causal_linear_attention_from`;
+    the sequence-parallel path passes the devices' before it, `_fused_block_state`)."""
+    t = q.shape[1]
 
     def prepare(x):
-        qc, kc, vc, keepc = x
-        keys = fmap.key(kc, params, **config)
-        _check_one_key_weighting(keys.log_decay, keys.log_scale)
+        vc, keepc, qc, kc = x
+        pk, ns, ld = _chunk_keys(fmap, params, kc, keepc, config)
         pq = fmap.query(qc, params, **config).astype(_f32)
-        pk = _apply_key_mask(keys.phi.astype(_f32), keepc)
         pq, pk, mass = _split_mass(pq, pk, den_floor)
         zeros = jnp.zeros(pk.shape[:3], _f32)
-        ns = _masked_log_scale(keys.log_scale, keepc, pk.shape[:3])
-        ld = zeros if keys.log_decay is None else keys.log_decay.astype(_f32)
+        ld = zeros if ld is None else ld.astype(_f32)
         mass = zeros if mass is None else mass
         parts = (pq, pk, _append_ones(vc.astype(_f32)), ld, ns, mass)
         return tuple(jnp.swapaxes(p, 1, 2) for p in parts)  # heads first
 
-    xs = tuple(map(chunks, (q, k, v, keep)))
-    return _chunk_scan(prepare, xs, t, DENOMINATOR_EPS, None, den_floor)[0]
+    xs = _token_chunks(chunk_size, mask, v, q, k)
+    return _chunk_scan(prepare, xs, t, DENOMINATOR_EPS, initial_state, den_floor)[0]
+
+
+def _fused_block_state(fmap, params, k, v, mask, chunk_size, config):
+    """`block_state` of a token-wise `FeatureMap`'s keys with their features computed chunk
+    by chunk inside a scan (never the ``[B, T, H, M]`` features of the whole block): each
+    chunk's state folded into the running one by `combine_states` (decays and key
+    log-scales exact). Returns ``(RecurrentState, total log decay [B, H])``; with a
+    den_floor map its features' mass channel is the state's last feature, as in
+    `block_state` of ``fmap.key(k).phi``."""
+    t = k.shape[1]
+    vc, keepc, kc = _token_chunks(chunk_size, mask, v, k)
+    real = (jnp.arange(vc.shape[0] * vc.shape[2]) < t).reshape(vc.shape[0], vc.shape[2])
+
+    @jax.checkpoint  # the backward pass recomputes a chunk's features, never stores them
+    def chunk_state(vx, keepx, kx, realx):
+        phi, ns, ld = _chunk_keys(fmap, params, kx, keepx, config)
+        ld = jnp.zeros(phi.shape[:3], _f32) if ld is None else ld.astype(_f32)
+        ld = jnp.where(realx[None, :, None], ld, 0.0)  # padded tokens do not decay
+        return block_state(phi, vx, log_decay=ld, key_log_scale=ns), jnp.sum(ld, axis=1)
+
+    def step(carry, x):
+        state, total = carry
+        block, g = chunk_state(*x)  # g: the chunk's total log decay [B, H]
+        return (combine_states(state, block, g), total + g), None
+
+    b, h = v.shape[0], v.shape[2]
+    m = jax.eval_shape(lambda kx: fmap.key(kx, params, **config).phi, kc[0]).shape[-1]
+    init = (recurrent_init(b, h, m, v.shape[-1]), jnp.zeros((b, h), _f32))
+    return lax.scan(step, init, (vc, keepc, kc, real))[0]
 
 
 def _chunk_scan(prepare, xs, t, eps, initial_state, den_floor):
