@@ -17,8 +17,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # pyproject's addopts rerun, once, a test whose xdist worker died without a Python error
 # (pytest-rerunfailures, `--only-rerun` on xdist's "worker ... crashed while running"): CI
 # (stop 38) lost a worker to a native fault inside test_vision's bfloat16 ViT test, which
-# passes alone (3 runs) and with its file (1 run) here; the fault's frames were not in the log. A test
-# that fails, or crashes twice, still fails, and the summary counts every rerun.
+# passes alone (3 runs) and with its file (1 run) here; the fault's frames were not in the
+# log. A test that fails, or crashes twice, still fails; the summary counts every rerun.
 # XLA's optimisation passes off for the suite (and the subprocesses its tests start, which
 # inherit the variable): at the suite's tiny shapes the cost is compiling, and the properties
 # tested (agreement with a reference, gradients, resumption, sharded == one device, where
