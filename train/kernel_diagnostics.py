@@ -149,14 +149,14 @@ class KernelDiagnostics:
     function of ``config.seed``), ``end`` the latest computed.
     """
 
-    def __init__(self, trainer, config):
+    def __init__(self, trainer, config, init_state=None):
         self.name = str(config.attention)
         self.mech = la.get(self.name).bind(**dict(config.attention_config))
         self.fmap = self.mech.feature_map
         self.model = trainer.init_model
         self.probe = [jnp.asarray(trainer.example[k][:PROBE_ROWS]) for k in trainer.input_keys]
         self._fn = jax.jit(self._compute)
-        init = trainer.init_state()
+        init = trainer.init_state() if init_state is None else init_state
         self._init_params = jax.device_get(init.params)
         self.start = self(init)
         self.end = dict(self.start)
@@ -209,14 +209,16 @@ class KernelDiagnostics:
         return {"start": dict(self.start), "end": dict(self.end)}
 
 
-def for_run(trainer, config) -> KernelDiagnostics | None:
+def for_run(trainer, config, init_state=None) -> KernelDiagnostics | None:
     """The diagnostics of `trainer`'s run, or None when its mechanism learns no kernel (no
     ``mechanism`` params), when the run spans several processes (the probe is one process's
-    rows: not computed there), or when no attention call can be captured (logged)."""
+    rows: not computed there), or when no attention call can be captured (logged).
+    `init_state`: the run's state at step 0 when the caller holds it (a fresh run), so that
+    the init values are not computed by a second ``trainer.init_state()``."""
     if not has_learnable_kernel(trainer.abstract_state.params) or jax.process_count() > 1:
         return None
     try:
-        return KernelDiagnostics(trainer, config)
+        return KernelDiagnostics(trainer, config, init_state)
     except Exception as e:  # diagnostics must never stop a run
         log.warning("kernel diagnostics disabled: %s", e)
         return None

@@ -409,7 +409,8 @@ def _train_and_evaluate(config, workdir: Path, data, is_main: bool) -> dict[str,
         if is_main:
             _announce(progress, config, trainer, counts, start, mem)
         run = RunState(start=start, step=start, meta=meta)
-        diagnostics = kernel_diagnostics.for_run(trainer, config)
+        # at step 0 the state is the init: not computed a second time for the diagnostics
+        diagnostics = kernel_diagnostics.for_run(trainer, config, state if start == 0 else None)
         try:
             state = train_steps(
                 trainer, state, step_fn, config, run, ckpt, writer, progress, diagnostics
