@@ -1,5 +1,5 @@
 """The feature-map protocol (`FeatureMap`, `KeyFeatures`) and the helpers feature maps
-share (`sincos`, `scale_inputs`)."""
+share (`sincos`, `cos_sin`, `scale_inputs`)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,17 @@ _SIN_C = (-1.6666654611e-1, 8.3321608736e-3, -1.9515295891e-4)
 _COS_C = (4.166664568298827e-2, -1.388731625493765e-3, 2.443315711809948e-5)
 
 
+def _reduced(x):
+    """``(k, s, c)``: the quadrant count ``k = round(x 2/pi)`` (int32) and ``sin r``, ``cos r``
+    of the reduced argument ``r = x - k pi/2``, ``|r| <= pi/4`` (float32 `x`)."""
+    k = jnp.round(x * (2 / math.pi))
+    r = ((x - k * _PIO2[0]) - k * _PIO2[1]) - k * _PIO2[2]
+    r2 = r * r
+    s = r + r * r2 * (_SIN_C[0] + r2 * (_SIN_C[1] + r2 * _SIN_C[2]))
+    c = 1.0 - 0.5 * r2 + r2 * r2 * (_COS_C[0] + r2 * (_COS_C[1] + r2 * _COS_C[2]))
+    return k.astype(jnp.int32), s, c
+
+
 @jax.custom_jvp
 def sincos(x):
     """``(sin x, cos x)`` of float32 `x` with one shared range reduction.
@@ -34,15 +45,10 @@ def sincos(x):
     Absolute error <= 1e-7 against float64 for |x| < 1e4 (the reduction's exact range;
     beyond it the error grows with |x|: <= 1e-6 at 1e5). Its derivatives are
     ``(cos x, -sin x)`` from the same outputs (a custom JVP: the backward pass costs two
-    products).
+    products). `cos_sin` gives both stacked, from one elementwise pass.
     """
-    x = x.astype(_f32)
-    k = jnp.round(x * (2 / math.pi))
-    r = ((x - k * _PIO2[0]) - k * _PIO2[1]) - k * _PIO2[2]
-    r2 = r * r
-    s = r + r * r2 * (_SIN_C[0] + r2 * (_SIN_C[1] + r2 * _SIN_C[2]))
-    c = 1.0 - 0.5 * r2 + r2 * r2 * (_COS_C[0] + r2 * (_COS_C[1] + r2 * _COS_C[2]))
-    q = k.astype(jnp.int32) & 3  # the quadrant
+    k, s, c = _reduced(x.astype(_f32))
+    q = k & 3  # the quadrant
     odd = (q & 1) == 1
     sin, cos = jnp.where(odd, c, s), jnp.where(odd, s, c)
     return jnp.where(q >= 2, -sin, sin), jnp.where((q == 1) | (q == 2), -cos, cos)
@@ -54,6 +60,28 @@ def _sincos_jvp(primals, tangents):
     sin, cos = sincos(primals[0])
     dx = tangents[0].astype(_f32)
     return (sin, cos), (cos * dx, -sin * dx)
+
+
+@jax.custom_jvp
+def cos_sin(x):
+    """``[cos x; sin x]`` stacked on a new axis -2: float32 ``[..., M] -> [..., 2, M]``.
+
+    The values of `sincos` bit for bit, stacked so that XLA computes the pair in one fusion
+    from one range reduction, and a reshape to ``[..., 2M]`` (the features ``[cos | sin]``)
+    is free. Its derivative ``[-sin x; cos x] dx`` is the output with its pair swapped (a
+    custom JVP: nothing but the output is kept for the backward).
+    """
+    sin, cos = sincos.fun(x)  # the primal function itself (this JVP replaces sincos's)
+    return jnp.stack([cos, sin], axis=-2)
+
+
+@cos_sin.defjvp
+def _cos_sin_jvp(primals, tangents):
+    out = cos_sin(primals[0])
+    dx = tangents[0].astype(_f32)
+    # each half times dx, then stacked (not the stack times a broadcast dx): the backward
+    # pass is then two products and an add, not a reduction over the pair axis
+    return out, jnp.stack([-out[..., 1, :] * dx, out[..., 0, :] * dx], axis=-2)
 
 
 def scale_inputs(x):
