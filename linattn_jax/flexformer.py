@@ -253,6 +253,8 @@ def _stabilised_norm_factor(s, *, is_query, mask):
 def _trig_s(xh, omega):
     """``M^(-1/2) [cos | sin](Omega x^)`` heads first, ``[B, H, T, 2M]``: one elementwise pass
     (`core.cos_sin`) writes both halves."""
+    # the scale after the stack: a stack consumed by a product XLA fuses into each consumer
+    # (recomputing the features once per consumer), one consumed by this multiply it does not
     feats = core.cos_sin(_project(xh, omega)) * omega.shape[1] ** -0.5  # [B, H, T, 2, M]
     return feats.reshape(*feats.shape[:-2], -1)
 
@@ -262,10 +264,7 @@ def _trig_n(xh, omega1, omega2):
     with the stacked frequencies ``[H, 2M, d]``, then one elementwise pass."""
     m = omega1.shape[1]
     wx = _project(xh, jnp.concatenate([omega1, omega2], axis=1))  # [B, H, T, 2M]
-    # both projections' [cos; sin] from one call ([B, H, T, 2 (omega1, omega2), 2, M]): one
-    # fusion, and the backward keeps this one array
-    pairs = core.cos_sin(wx.reshape(*wx.shape[:-1], 2, m))
-    feats = (pairs[..., 0, :, :] + pairs[..., 1, :, :]) * (4 * m) ** -0.5  # [B, H, T, 2, M]
+    feats = core.cos_sin(wx, 2) * (4 * m) ** -0.5  # [B, H, T, 2, M] (scale after: `_trig_s`)
     return feats.reshape(*feats.shape[:-2], -1)
 
 

@@ -4,6 +4,7 @@ share (`sincos`, `cos_sin`, `scale_inputs`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping
@@ -23,10 +24,10 @@ _SIN_C = (-1.6666654611e-1, 8.3321608736e-3, -1.9515295891e-4)
 _COS_C = (4.166664568298827e-2, -1.388731625493765e-3, 2.443315711809948e-5)
 
 
-def _reduced(x):
+def _reduced(x, rounding=jnp.round):
     """``(k, s, c)``: the quadrant count ``k = round(x 2/pi)`` (int32) and ``sin r``, ``cos r``
     of the reduced argument ``r = x - k pi/2``, ``|r| <= pi/4`` (float32 `x`)."""
-    k = jnp.round(x * (2 / math.pi))
+    k = rounding(x * (2 / math.pi))
     r = ((x - k * _PIO2[0]) - k * _PIO2[1]) - k * _PIO2[2]
     r2 = r * r
     s = r + r * r2 * (_SIN_C[0] + r2 * (_SIN_C[1] + r2 * _SIN_C[2]))
@@ -47,7 +48,11 @@ def sincos(x):
     ``(cos x, -sin x)`` from the same outputs (a custom JVP: the backward pass costs two
     products). `cos_sin` gives both stacked, from one elementwise pass.
     """
-    k, s, c = _reduced(x.astype(_f32))
+    return _sin_cos(x.astype(_f32))
+
+
+def _sin_cos(x, rounding=jnp.round):
+    k, s, c = _reduced(x, rounding)
     q = k & 3  # the quadrant
     odd = (q & 1) == 1
     sin, cos = jnp.where(odd, c, s), jnp.where(odd, s, c)
@@ -62,26 +67,50 @@ def _sincos_jvp(primals, tangents):
     return (sin, cos), (cos * dx, -sin * dx)
 
 
-@jax.custom_jvp
-def cos_sin(x):
-    """``[cos x; sin x]`` stacked on a new axis -2: float32 ``[..., M] -> [..., 2, M]``.
-
-    The values of `sincos` bit for bit, stacked so that XLA computes the pair in one fusion
-    from one range reduction, and a reshape to ``[..., 2M]`` (the features ``[cos | sin]``)
-    is free. Its derivative ``[-sin x; cos x] dx`` is the output with its pair swapped (a
-    custom JVP: nothing but the output is kept for the backward).
-    """
-    sin, cos = sincos.fun(x)  # the primal function itself (this JVP replaces sincos's)
+def _cos_sin_sum(x, terms):
+    """``sum_p [cos x_p; sin x_p]`` -> ``[..., 2, M]`` (`cos_sin`)."""
+    sin, cos = sincos.fun(x)  # the primal function itself (`cos_sin` has its own rule)
+    m = x.shape[-1] // terms
+    # a sum of slices, not a reduction: XLA fuses it with the rest
+    sin, cos = (sum(t[..., p * m : (p + 1) * m] for p in range(terms)) for t in (sin, cos))
     return jnp.stack([cos, sin], axis=-2)
 
 
-@cos_sin.defjvp
-def _cos_sin_jvp(primals, tangents):
-    out = cos_sin(primals[0])
-    dx = tangents[0].astype(_f32)
-    # each half times dx, then stacked (not the stack times a broadcast dx): the backward
-    # pass is then two products and an add, not a reduction over the pair axis
-    return out, jnp.stack([-out[..., 1, :] * dx, out[..., 0, :] * dx], axis=-2)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def cos_sin(x, terms=1):
+    """``sum_p [cos x_p; sin x_p]``: float32 `x` ``[..., terms M] -> [..., 2, M]``.
+
+    The trigonometric features of `terms` projections ``x_p = x[..., p M:(p + 1) M]`` (one
+    term: ``[cos x; sin x]``), the values of `sincos`, written so that XLA computes them in
+    one fusion from one range reduction per element of `x` (its stack ends the fusion; a
+    reshape to ``[..., 2M]`` gives the features ``[cos | sin]``, free). The backward pass (a
+    custom VJP) is one elementwise pass, ``dx_p = cos x_p g_sin - sin x_p g_cos``, recomputed
+    from `x`: only `x` is kept (half the output's size), and the output, read by nothing but
+    its consumers, stays one fusion (a backward reading its halves had XLA compute each
+    half in a fusion of its own, then copy them into the stack).
+    """
+    return _cos_sin_sum(x.astype(_f32), terms)
+
+
+def _cos_sin_fwd(x, terms):
+    x = x.astype(_f32)
+    return _cos_sin_sum(x, terms), x
+
+
+def _round_half_up(t):
+    return jnp.floor(t + 0.5)
+
+
+def _cos_sin_bwd(terms, x, g):
+    # The same values (the rounding differs at exact ties only, where either quadrant is
+    # exact) by other ops: XLA would otherwise merge this with the forward's computation and
+    # read its two halves from there, which splits the forward fusion in two.
+    sin, cos = _sin_cos(x, _round_half_up)
+    g_cos, g_sin = (jnp.concatenate([g[..., i, :]] * terms, axis=-1) for i in (0, 1))
+    return (cos * g_sin - sin * g_cos,)
+
+
+cos_sin.defvjp(_cos_sin_fwd, _cos_sin_bwd)
 
 
 def scale_inputs(x):

@@ -20,7 +20,6 @@ from linattn_jax.core.common import (
     _split_mass,
     denominator_floor,
     guard_denominator,
-    read_out,
 )
 from linattn_jax.core.features import FeatureMap
 
