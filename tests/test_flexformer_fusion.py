@@ -3,26 +3,15 @@ in one XLA fusion, forward and backward (`core.cos_sin`)."""
 
 from __future__ import annotations
 
-import re
-
 import jax
-import numpy as np
 import pytest
 
 import linattn_jax as la
-
-# the sine polynomial's leading coefficient, as float32: only the range reduction of
-# `core.sincos` / `core.cos_sin` carries it
-_SIN_C0 = np.float32(-1.6666654611e-1)  # Cephes sinf, as in core.sincos
+from train.bench import fusions
 
 
 def _polynomial_fusions(hlo: str) -> int:
-    """How many computations of the compiled `hlo` evaluate the sine polynomial."""
-    count = 0
-    for body in re.split(r"\n(?=\S)", hlo):  # one computation per block
-        constants = re.findall(r"constant\((-?[0-9.]+(?:e-?[0-9]+)?)\)", body)
-        count += any(np.float32(c) == _SIN_C0 for c in constants)
-    return count
+    return fusions.counts(hlo, set())["polynomial"]
 
 
 @pytest.mark.parametrize("name", ["flexformer_s", "flexformer_n"])
