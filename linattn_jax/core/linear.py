@@ -73,11 +73,10 @@ def linear_attention(
         pq, pk = jnp.swapaxes(phi_q, 1, 2), jnp.swapaxes(phi_k, 1, 2)  # [B, H, T, M]
         pq, pk, mass = _split_mass(pq, pk, den_floor)
         wk = jnp.exp(ns - lax.stop_gradient(jnp.max(ns, axis=1, keepdims=True)))  # [B, Tk, H]
-        wk = jnp.swapaxes(wk, 1, 2)  # [B, H, Tk]
         # the key weights go on v (Dv wide), not on phi_k (M wide)
-        kv = jnp.einsum("bhtm,bthd->bhmd", pk, v * jnp.swapaxes(wk, 1, 2)[..., None])
-        z = jnp.einsum("bhtm,bht->bhm", pk, wk)
-        key_mass = None if mass is None else jnp.sum(mass * wk, axis=2)  # [B, H]
+        kv = jnp.einsum("bhtm,bthd->bhmd", pk, v * wk[..., None])
+        z = jnp.einsum("bhtm,bth->bhm", pk, wk)
+        key_mass = None if mass is None else jnp.sum(mass * jnp.swapaxes(wk, 1, 2), axis=2)
         return _read_out_heads_first(pq, kv, z, key_mass, eps, den_floor)
     return _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps, den_floor=den_floor)[0]
 
