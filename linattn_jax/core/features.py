@@ -93,8 +93,7 @@ def cos_sin(x, terms=1):
 
 
 def _cos_sin_fwd(x, terms):
-    x = x.astype(_f32)
-    return _cos_sin_sum(x, terms), x
+    return _cos_sin_sum(x.astype(_f32), terms), x
 
 
 def _round_half_up(t):
@@ -105,9 +104,9 @@ def _cos_sin_bwd(terms, x, g):
     # The same values (the rounding differs at exact ties only, where either quadrant is
     # exact) by other ops: XLA would otherwise merge this with the forward's computation and
     # read its two halves from there, which splits the forward fusion in two.
-    sin, cos = _sin_cos(x, _round_half_up)
+    sin, cos = _sin_cos(x.astype(_f32), _round_half_up)
     g_cos, g_sin = (jnp.concatenate([g[..., i, :]] * terms, axis=-1) for i in (0, 1))
-    return (cos * g_sin - sin * g_cos,)
+    return ((cos * g_sin - sin * g_cos).astype(x.dtype),)
 
 
 cos_sin.defvjp(_cos_sin_fwd, _cos_sin_bwd)
