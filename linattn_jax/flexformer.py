@@ -229,8 +229,13 @@ def init_n(
 def _project(xh, omega):
     """``Omega x^`` heads first: `xh` ``[B, H, T, d]`` -> ``[B, H, T, M]``."""
     # Full float32 precision: cos/sin of Omega x^ are sensitive to rounding of the
-    # argument, and accelerators default to reduced-precision matmuls.
-    return jnp.einsum("bhtd,hmd->bhtm", xh, omega.astype(_f32), precision=lax.Precision.HIGHEST)
+    # argument, and accelerators default to reduced-precision matmuls. The input is the
+    # left operand and the (small) frequencies are broadcast over B, so the product comes
+    # out in this layout (jnp.einsum would put omega first: a [H, M, B, T] product and an
+    # M-wide transpose).
+    omega = jnp.broadcast_to(omega.astype(_f32), (xh.shape[0], *omega.shape))
+    dims = (((3,), (3,)), ((0, 1), (0, 1)))
+    return lax.dot_general(xh, omega, dims, precision=lax.Precision.HIGHEST)
 
 
 def _stabilised_norm_factor(s, *, is_query, mask):
@@ -246,14 +251,21 @@ def _stabilised_norm_factor(s, *, is_query, mask):
 
 
 def _trig_s(xh, omega):
-    sin, cos = core.sincos(_project(xh, omega))
-    return jnp.concatenate([cos, sin], axis=-1) * omega.shape[1] ** -0.5
+    """``M^(-1/2) [cos | sin](Omega x^)`` heads first, ``[B, H, T, 2M]``: one elementwise pass
+    (`core.cos_sin`) writes both halves."""
+    # the scale after the stack: a stack consumed by a product XLA fuses into each consumer
+    # (recomputing the features once per consumer), one consumed by this multiply it does not
+    feats = core.cos_sin(_project(xh, omega)) * omega.shape[1] ** -0.5  # [B, H, T, 2, M]
+    return feats.reshape(*feats.shape[:-2], -1)
 
 
 def _trig_n(xh, omega1, omega2):
-    (s1, c1), (s2, c2) = core.sincos(_project(xh, omega1)), core.sincos(_project(xh, omega2))
-    feats = jnp.concatenate([c1 + c2, s1 + s2], axis=-1)
-    return feats * (4 * omega1.shape[1]) ** -0.5
+    """``(4M)^(-1/2) [cos + cos | sin + sin]`` heads first, ``[B, H, T, 2M]``: one product
+    with the stacked frequencies ``[H, 2M, d]``, then one elementwise pass."""
+    m = omega1.shape[1]
+    wx = _project(xh, jnp.concatenate([omega1, omega2], axis=1))  # [B, H, T, 2M]
+    feats = core.cos_sin(wx, 2) * (4 * m) ** -0.5  # [B, H, T, 2, M] (scale after: `_trig_s`)
+    return feats.reshape(*feats.shape[:-2], -1)
 
 
 def _log_norm_s(xh):
@@ -293,22 +305,29 @@ def log_temperature_scale(params, head_dim, *, qk_radius=QK_RADIUS):
     return 0.5 * (math.log(2.0 * math.sqrt(head_dim)) - tau)
 
 
-def _parts(variant, x, params, radius=None):
-    """``(s, phi)``: log norm factor ``[B, T, H, 1]`` and trig features ``[B, T, H, 2M]``."""
+def _parts_heads_first(variant, x, params, radius=None):
+    """``(s, phi)``: log norm factor ``[B, T, H, 1]`` and trig features heads first
+    ``[B, H, T, 2M]``."""
     x = _normalize(x, radius)
     xh = core.scale_inputs(x)
     # the features of a x^ (a the per-head temperature scale): a is folded into the
     # frequencies ([H, M, d]), not into the [B, T, H, d] input
     a = jnp.exp(log_temperature_scale(params, x.shape[-1], qk_radius=radius))[:, None, None]
     # the features are computed heads first (the d-wide input is transposed, not the
-    # 2M-wide features) and handed back in the core's layout
+    # 2M-wide features); callers hand them back in the core's layout (`core.heads_last`)
     xt = jnp.swapaxes(xh, 1, 2)
     if variant == "s":
         s = _log_norm_s(xh) * jnp.square(a[:, 0])[None, None]  # |a x^|^2 / 2
-        return s, core.heads_last(_trig_s(xt, a * params["omega"]))
+        return s, _trig_s(xt, a * params["omega"])
     trig = _trig_n(xt, a * params["omega1"], a * params["omega2"])
     # with qk_radius, |x|^2 / exp(tau) == |a x^|^2 / 2: the norm term of the scaled input
-    return _log_norm_n(x, params["tau"]), core.heads_last(trig)
+    return _log_norm_n(x, params["tau"]), trig
+
+
+def _parts(variant, x, params, radius=None):
+    """``(s, phi)``: log norm factor ``[B, T, H, 1]`` and trig features ``[B, T, H, 2M]``."""
+    s, phi = _parts_heads_first(variant, x, params, radius)
+    return s, core.heads_last(phi)
 
 
 def feature_map_s(x, params, *, is_query: bool, mask=None, qk_radius=QK_RADIUS):
@@ -413,14 +432,16 @@ def _feature_map(variant):
     norm factor cancels in the ratio), keys the same with the log norm factor as their
     log scale (stabilised by the core)."""
 
+    # the mass channel is appended heads first, so that the core's swap back to heads first
+    # cancels `heads_last` and its split drops the channel again without a transpose
     def query(q, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR):
-        phi = _parts(variant, q, params, qk_radius)[1]
-        return core.mass_channel(phi, is_query=True) if den_floor else phi
+        phi = _parts_heads_first(variant, q, params, qk_radius)[1]
+        return core.heads_last(core.mass_channel(phi, is_query=True) if den_floor else phi)
 
     def key(k, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR):
-        s, phi = _parts(variant, k, params, qk_radius)
+        s, phi = _parts_heads_first(variant, k, params, qk_radius)
         phi = core.mass_channel(phi, is_query=False) if den_floor else phi
-        return core.KeyFeatures(phi, s[..., 0])
+        return core.KeyFeatures(core.heads_last(phi), s[..., 0])
 
     def floor(*, den_floor=DEN_FLOOR):
         return den_floor

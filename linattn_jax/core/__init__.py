@@ -34,7 +34,7 @@ Layout: `linattn_jax.core.common` (the guard, the floor, masks, `read_out`),
 `attend_features`, `normalized_weights`), `linattn_jax.core.causal` (the chunked causal
 form and its in-scan variant), `linattn_jax.core.recurrent` (`RecurrentState`,
 `recurrent_step`, `block_state`, `combine_states`) and `linattn_jax.core.features` (the
-feature-map protocol, `sincos`, `scale_inputs`). Every public name is re-exported here.
+feature-map protocol, `sincos`, `cos_sin`, `scale_inputs`). Every public name is re-exported here.
 """
 
 from linattn_jax.core.causal import causal_linear_attention_from
@@ -48,7 +48,7 @@ from linattn_jax.core.common import (
     mass_channel,
     read_out,
 )
-from linattn_jax.core.features import FeatureMap, KeyFeatures, scale_inputs, sincos
+from linattn_jax.core.features import FeatureMap, KeyFeatures, cos_sin, scale_inputs, sincos
 from linattn_jax.core.linear import (
     attend,
     attend_features,
@@ -88,4 +88,5 @@ __all__ = [
     "normalized_weights",
     "scale_inputs",
     "sincos",
+    "cos_sin",
 ]

@@ -137,14 +137,20 @@ def _causal_fused(fmap, params, q, k, v, mask, chunk_size, den_floor, config, in
 
     def prepare(x):
         vc, keepc, qc, kc = x
-        pk, ns, ld = _chunk_keys(fmap, params, kc, keepc, config)
-        pq = fmap.query(qc, params, **config).astype(_f32)
-        pq, pk, mass = _split_mass(pq, pk, den_floor)
-        zeros = jnp.zeros(pk.shape[:3], _f32)
-        ld = zeros if ld is None else ld.astype(_f32)
+        keys = fmap.key(kc, params, **config)
+        _check_one_key_weighting(keys.log_decay, keys.log_scale)
+        # heads first before the mass channel is split off: a feature map's own swap
+        # (`heads_last`) then cancels and the split is free
+        pq = jnp.swapaxes(fmap.query(qc, params, **config).astype(_f32), 1, 2)
+        pk = jnp.swapaxes(keys.phi.astype(_f32), 1, 2) * keepc[:, None, :, None].astype(_f32)
+        pq, pk, mass = _split_mass(pq, pk, den_floor)  # mass [B, H, c]
+        bhc = pk.shape[:3]
+        ns = _masked_log_scale(keys.log_scale, keepc, (bhc[0], bhc[2], bhc[1]))
+        ns = jnp.swapaxes(ns, 1, 2)
+        zeros = jnp.zeros(bhc, _f32)
+        ld = zeros if keys.log_decay is None else jnp.swapaxes(keys.log_decay.astype(_f32), 1, 2)
         mass = zeros if mass is None else mass
-        parts = (pq, pk, _append_ones(vc.astype(_f32)), ld, ns, mass)
-        return tuple(jnp.swapaxes(p, 1, 2) for p in parts)  # heads first
+        return (pq, pk, jnp.swapaxes(_append_ones(vc.astype(_f32)), 1, 2), ld, ns, mass)
 
     xs = _token_chunks(chunk_size, mask, v, q, k)
     return _chunk_scan(prepare, xs, t, DENOMINATOR_EPS, initial_state, den_floor)[0]

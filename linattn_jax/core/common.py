@@ -93,7 +93,11 @@ def read_out(phi_q, s, z, mass=None, *, eps: float = DENOMINATOR_EPS, den_floor:
     # Heads first ([B, H, Tq, M]): each head's products run on contiguous rows. A feature
     # map that computes its features heads first and swaps them back (`heads_last`) has
     # this swap cancel against its own, so its M-wide features are never transposed.
-    pq = jnp.swapaxes(phi_q, 1, 2)
+    return _read_out_heads_first(jnp.swapaxes(phi_q, 1, 2), s, z, mass, eps, den_floor)
+
+
+def _read_out_heads_first(pq, s, z, mass, eps, den_floor):
+    """`read_out` of heads-first query features `pq` ``[B, H, Tq, M]``."""
     num = jnp.einsum("bhtm,bhmd->bhtd", pq, s)
     den = jnp.einsum("bhtm,bhm->bht", pq, z)
     floor = None if mass is None else denominator_floor(pq, mass[..., None], den_floor)

@@ -1,9 +1,10 @@
 """The feature-map protocol (`FeatureMap`, `KeyFeatures`) and the helpers feature maps
-share (`sincos`, `scale_inputs`)."""
+share (`sincos`, `cos_sin`, `scale_inputs`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping
@@ -23,6 +24,17 @@ _SIN_C = (-1.6666654611e-1, 8.3321608736e-3, -1.9515295891e-4)
 _COS_C = (4.166664568298827e-2, -1.388731625493765e-3, 2.443315711809948e-5)
 
 
+def _reduced(x, rounding=jnp.round):
+    """``(k, s, c)``: the quadrant count ``k = round(x 2/pi)`` (int32) and ``sin r``, ``cos r``
+    of the reduced argument ``r = x - k pi/2``, ``|r| <= pi/4`` (float32 `x`)."""
+    k = rounding(x * (2 / math.pi))
+    r = ((x - k * _PIO2[0]) - k * _PIO2[1]) - k * _PIO2[2]
+    r2 = r * r
+    s = r + r * r2 * (_SIN_C[0] + r2 * (_SIN_C[1] + r2 * _SIN_C[2]))
+    c = 1.0 - 0.5 * r2 + r2 * r2 * (_COS_C[0] + r2 * (_COS_C[1] + r2 * _COS_C[2]))
+    return k.astype(jnp.int32), s, c
+
+
 @jax.custom_jvp
 def sincos(x):
     """``(sin x, cos x)`` of float32 `x` with one shared range reduction.
@@ -34,15 +46,14 @@ def sincos(x):
     Absolute error <= 1e-7 against float64 for |x| < 1e4 (the reduction's exact range;
     beyond it the error grows with |x|: <= 1e-6 at 1e5). Its derivatives are
     ``(cos x, -sin x)`` from the same outputs (a custom JVP: the backward pass costs two
-    products).
+    products). `cos_sin` gives both stacked, from one elementwise pass.
     """
-    x = x.astype(_f32)
-    k = jnp.round(x * (2 / math.pi))
-    r = ((x - k * _PIO2[0]) - k * _PIO2[1]) - k * _PIO2[2]
-    r2 = r * r
-    s = r + r * r2 * (_SIN_C[0] + r2 * (_SIN_C[1] + r2 * _SIN_C[2]))
-    c = 1.0 - 0.5 * r2 + r2 * r2 * (_COS_C[0] + r2 * (_COS_C[1] + r2 * _COS_C[2]))
-    q = k.astype(jnp.int32) & 3  # the quadrant
+    return _sin_cos(x.astype(_f32))
+
+
+def _sin_cos(x, rounding=jnp.round):
+    k, s, c = _reduced(x, rounding)
+    q = k & 3  # the quadrant
     odd = (q & 1) == 1
     sin, cos = jnp.where(odd, c, s), jnp.where(odd, s, c)
     return jnp.where(q >= 2, -sin, sin), jnp.where((q == 1) | (q == 2), -cos, cos)
@@ -54,6 +65,51 @@ def _sincos_jvp(primals, tangents):
     sin, cos = sincos(primals[0])
     dx = tangents[0].astype(_f32)
     return (sin, cos), (cos * dx, -sin * dx)
+
+
+def _cos_sin_sum(x, terms):
+    """``sum_p [cos x_p; sin x_p]`` -> ``[..., 2, M]`` (`cos_sin`)."""
+    sin, cos = sincos.fun(x)  # the primal function itself (`cos_sin` has its own rule)
+    m = x.shape[-1] // terms
+    # a sum of slices, not a reduction: XLA fuses it with the rest
+    sin, cos = (sum(t[..., p * m : (p + 1) * m] for p in range(terms)) for t in (sin, cos))
+    return jnp.stack([cos, sin], axis=-2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def cos_sin(x, terms=1):
+    """``sum_p [cos x_p; sin x_p]``: float32 `x` ``[..., terms M] -> [..., 2, M]``.
+
+    The trigonometric features of `terms` projections ``x_p = x[..., p M:(p + 1) M]`` (one
+    term: ``[cos x; sin x]``), the values of `sincos`, written so that XLA computes them in
+    one fusion from one range reduction per element of `x` (its stack ends the fusion; a
+    reshape to ``[..., 2M]`` gives the features ``[cos | sin]``, free). The backward pass (a
+    custom VJP) is one elementwise pass, ``dx_p = cos x_p g_sin - sin x_p g_cos``, recomputed
+    from `x`: only `x` is kept (half the output's size), and the output, read by nothing but
+    its consumers, stays one fusion (a backward reading its halves had XLA compute each
+    half in a fusion of its own, then copy them into the stack).
+    """
+    return _cos_sin_sum(x.astype(_f32), terms)
+
+
+def _cos_sin_fwd(x, terms):
+    return _cos_sin_sum(x.astype(_f32), terms), x
+
+
+def _round_half_up(t):
+    return jnp.floor(t + 0.5)
+
+
+def _cos_sin_bwd(terms, x, g):
+    # The same values (the rounding differs at exact ties only, where either quadrant is
+    # exact) by other ops: XLA would otherwise merge this with the forward's computation and
+    # read its two halves from there, which splits the forward fusion in two.
+    sin, cos = _sin_cos(x.astype(_f32), _round_half_up)
+    g_cos, g_sin = (jnp.concatenate([g[..., i, :]] * terms, axis=-1) for i in (0, 1))
+    return ((cos * g_sin - sin * g_cos).astype(x.dtype),)
+
+
+cos_sin.defvjp(_cos_sin_fwd, _cos_sin_bwd)
 
 
 def scale_inputs(x):

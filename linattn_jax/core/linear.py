@@ -16,10 +16,10 @@ from linattn_jax.core.common import (
     _check_one_key_weighting,
     _f32,
     _masked_log_scale,
+    _read_out_heads_first,
     _split_mass,
     denominator_floor,
     guard_denominator,
-    read_out,
 )
 from linattn_jax.core.features import FeatureMap
 
@@ -68,15 +68,16 @@ def linear_attention(
     if not causal:
         if log_decay is not None:
             raise ValueError("linear_attention: log_decay needs causal=True")
-        phi_q, phi_k, mass = _split_mass(phi_q, phi_k, den_floor)
+        # heads first as in `read_out`, swapped before the mass channel is split off, so
+        # that a feature map's own swap (`heads_last`) cancels and the split is free
+        pq, pk = jnp.swapaxes(phi_q, 1, 2), jnp.swapaxes(phi_k, 1, 2)  # [B, H, T, M]
+        pq, pk, mass = _split_mass(pq, pk, den_floor)
         wk = jnp.exp(ns - lax.stop_gradient(jnp.max(ns, axis=1, keepdims=True)))  # [B, Tk, H]
-        # the key weights go on v (Dv wide), not on phi_k (M wide); heads first as in
-        # `read_out`
-        pk = jnp.swapaxes(phi_k, 1, 2)  # [B, H, Tk, M]
+        # the key weights go on v (Dv wide), not on phi_k (M wide)
         kv = jnp.einsum("bhtm,bthd->bhmd", pk, v * wk[..., None])
         z = jnp.einsum("bhtm,bth->bhm", pk, wk)
-        key_mass = None if mass is None else jnp.sum(mass * wk, axis=1)  # [B, H]
-        return read_out(phi_q, kv, z, key_mass, eps=eps, den_floor=den_floor)
+        key_mass = None if mass is None else jnp.sum(mass * jnp.swapaxes(wk, 1, 2), axis=2)
+        return _read_out_heads_first(pq, kv, z, key_mass, eps, den_floor)
     return _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps, den_floor=den_floor)[0]
 
 
