@@ -87,7 +87,9 @@ def cos_sin(x, terms=1):
     custom VJP) is one elementwise pass, ``dx_p = cos x_p g_sin - sin x_p g_cos``, recomputed
     from `x`: only `x` is kept (half the output's size), and the output, read by nothing but
     its consumers, stays one fusion (a backward reading its halves had XLA compute each
-    half in a fusion of its own, then copy them into the stack).
+    half in a fusion of its own, then copy them into the stack). Being a custom VJP, it
+    takes reverse-mode differentiation only: ``jax.jvp`` (and ``jacfwd``) through it raise
+    JAX's custom_vjp error; `sincos` (a custom JVP) takes both.
     """
     return _cos_sin_sum(x.astype(_f32), terms)
 
