@@ -250,21 +250,16 @@ def _stabilised_norm_factor(s, *, is_query, mask):
     return jnp.exp(jnp.where(valid, s - c, -jnp.inf))
 
 
-def _trig_s(xh, omega):
-    """``M^(-1/2) [cos | sin](Omega x^)`` heads first, ``[B, H, T, 2M]``: one elementwise pass
-    (`core.cos_sin`) writes both halves."""
+def _trig(xh, *omegas):
+    """``(p^2 M)^(-1/2) [sum_p cos | sum_p sin](Omega_p x^)`` heads first, ``[B, H, T, 2M]``
+    for the p frequency matrices `omegas` (``[H, M, d]`` each; flexformer_s: one,
+    flexformer_n: two): one product with the stacked frequencies ``[H, p M, d]``, then one
+    elementwise pass (`core.cos_sin`) that writes both halves."""
+    p, m = len(omegas), omegas[0].shape[1]
+    wx = _project(xh, omegas[0] if p == 1 else jnp.concatenate(omegas, axis=1))
     # the scale after the stack: a stack consumed by a product XLA fuses into each consumer
     # (recomputing the features once per consumer), one consumed by this multiply it does not
-    feats = core.cos_sin(_project(xh, omega)) * omega.shape[1] ** -0.5  # [B, H, T, 2, M]
-    return feats.reshape(*feats.shape[:-2], -1)
-
-
-def _trig_n(xh, omega1, omega2):
-    """``(4M)^(-1/2) [cos + cos | sin + sin]`` heads first, ``[B, H, T, 2M]``: one product
-    with the stacked frequencies ``[H, 2M, d]``, then one elementwise pass."""
-    m = omega1.shape[1]
-    wx = _project(xh, jnp.concatenate([omega1, omega2], axis=1))  # [B, H, T, 2M]
-    feats = core.cos_sin(wx, 2) * (4 * m) ** -0.5  # [B, H, T, 2, M] (scale after: `_trig_s`)
+    feats = core.cos_sin(wx, p) * (p * p * m) ** -0.5  # [B, H, T, 2, M]
     return feats.reshape(*feats.shape[:-2], -1)
 
 
@@ -318,8 +313,8 @@ def _parts_heads_first(variant, x, params, radius=None):
     xt = jnp.swapaxes(xh, 1, 2)
     if variant == "s":
         s = _log_norm_s(xh) * jnp.square(a[:, 0])[None, None]  # |a x^|^2 / 2
-        return s, _trig_s(xt, a * params["omega"])
-    trig = _trig_n(xt, a * params["omega1"], a * params["omega2"])
+        return s, _trig(xt, a * params["omega"])
+    trig = _trig(xt, a * params["omega1"], a * params["omega2"])
     # with qk_radius, |x|^2 / exp(tau) == |a x^|^2 / 2: the norm term of the scaled input
     return _log_norm_n(x, params["tau"]), trig
 
