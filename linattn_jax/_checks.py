@@ -99,6 +99,13 @@ def check_positive(name: str, **values) -> None:
             raise ValueError(f"{name}: {key} must be an int >= 1, got {value!r}")
 
 
+def check_float(name: str, key: str, value, ok, accepted: str) -> None:
+    """`value` must be a real number (not a bool) with ``ok(value)`` (NaN fails any
+    comparison); `accepted` says which, e.g. ``"a float > 0"``."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not ok(value):
+        raise ValueError(f"{name}: {key} must be {accepted}, got {value!r}")
+
+
 def check_choice(name: str, key: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{name}: {key} must be one of {list(choices)}, got {value!r}")

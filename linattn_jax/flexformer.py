@@ -28,14 +28,11 @@ non-stationary as soon as ``Omega1 != Omega2``. The seed gives only the form
 (frequency pairs and a learnable ``tau`` replacing ``2 sqrt d``), not the
 layout of the paired features: this sum-of-pairs layout is our construction.
 Init: ``tau = log(2 sqrt d)``, ``Omega1`` the ``flexformer_s`` draw and ``Omega2 =
-Omega1 + 0.1 N(0, I)`` (`init_n`). The features are symmetric under ``Omega1 <->
-Omega2``, so the exactly tied init (``pair_init="tied"``, where ``(4M)^(-1/2) * 2 =
-M^(-1/2)`` makes ``flexformer_n`` equal ``flexformer_s``) gets identical gradients for
-both and stays stationary forever. Jitter 0.1 was chosen by measurement (d = 8, M =
-16, six seeds): the attention error against softmax at init is that of the tied
-init (0.510 vs 0.512; 0.564 at jitter 0.3, and an independent draw estimates a
-different kernel), and 30 Adam steps fitting a non-stationary target grow the
-shift-invariance gap (`shift_invariance_gap`) 21-fold, from 3e-5 to 6e-4 (tied: 0).
+Omega1 + 0.1 N(0, I)`` (`init_n`, which says why the pair is jittered). Jitter 0.1 was
+chosen by measurement (d = 8, M = 16, six seeds): the attention error against softmax at
+init is that of the tied init (0.510 vs 0.512; 0.564 at jitter 0.3), and 30 Adam steps
+fitting a non-stationary target grow the shift-invariance gap (`shift_invariance_gap`)
+21-fold, from 3e-5 to 6e-4 (tied: 0).
 
 Stability (defaults ``qk_radius=1.0``, ``den_floor=0.05``). Trigonometric features
 estimate the Gaussian part ``exp(-|q^ - k^|^2 / 2)`` with an additive error of order
@@ -59,19 +56,15 @@ defaults:
   norm factor becomes a constant that cancels (which is why ``tau`` is tied to the
   temperature, "Temperature" below).
 * ``den_floor`` (the core's relative denominator floor, `linattn_jax.core`): training
-  sharpens the learned kernels until their trigonometric sums cancel, and ``qk_radius``
-  alone does not survive it -- after 200 steps the worst weight row reaches l1 = 65 - 142
-  on the ViT and 868 - 6950 on the LM (one output that many times the scale of v). The
-  floor raises ``|den_i|`` to at least ``den_floor |phi(q_i)| sum_j |phi(k_j)|`` (the
-  Cauchy-Schwarz bound of the row's terms, carried as one extra feature column, the key-mass
-  channel), keeping its sign, so every row's l1 norm is at most ``1 / den_floor = 20``:
-  measured <= 2.82 after 200 steps. Rows above the floor are unchanged bit for bit; it is
-  inactive at init (non-causal; it can touch the first causal positions, which have one or
-  two keys) and after 200 steps raises 0.3% of ListOps' causal rows, 1.6 - 1.8% of the ViT's
-  and 12% of the LM's, whose weights then sum to less than 1 (the output shrinks instead of
-  exploding). The same 200 steps reach a lower train loss with it (docs/activations.md).
-  Cost: one extra feature column and an O(T) mass sum. The features (`FeatureMap.query` /
-  ``key``) carry the mass channel as their last column when ``den_floor > 0``.
+  sharpens the kernels until their sums cancel, which ``qk_radius`` alone does not survive
+  (after 200 steps the worst weight row reaches l1 = 65 - 142 on the ViT, 868 - 6950 on
+  the LM). The floor raises ``|den_i|`` to at least ``den_floor |phi(q_i)| sum_j |phi(k_j)|``
+  (Cauchy-Schwarz; one extra feature column, the key-mass channel, the features' last when
+  ``den_floor > 0``), keeping its sign: every row's l1 norm is at most ``1 / den_floor =
+  20`` (measured <= 2.82 after 200 steps). Rows above the floor are unchanged bit for bit;
+  it is inactive at init (non-causal) and after 200 steps raises 0.3% of ListOps' causal
+  rows, 1.6 - 1.8% of the ViT's and 12% of the LM's (their weights then sum to less than
+  1), with a lower train loss (docs/activations.md). Cost: one column and an O(T) mass sum.
 
 Temperature (issue 35). Normalising q, k makes the norm term a constant, so without more
 the kernel's sharpness could only come from the frequencies' norms, which Adam grows by at
@@ -91,9 +84,8 @@ temperature; log space makes each Adam step a relative change of ``a``.
   kernel's temperature. With ``qk_radius=None`` the seed's raw map is kept as the paper
   writes it: ``tau`` enters the norm term only.
 
-At init ``a = 1``: outputs are those of the map without the scale (tested). The scale gets a
-gradient of the frequencies' order (tests/test_mechanism_gradients.py). `log_temperature_scale`
-reads ``log a`` off the params.
+At init ``a = 1``: outputs are those of the map without the scale (tested); the scale gets a
+gradient of the frequencies' order. `log_temperature_scale` reads ``log a`` off the params.
 
 The main job's train loss after 30 steps agrees on one device, an (8, 1) and a (2, 4) mesh
 to 2.4e-7 (softmax's exactly). The seed applies the map to the raw inputs with the plain
@@ -109,10 +101,8 @@ s over the visible keys: all unmasked keys when non-causal, the running maximum
 earlier keys' factors, and no output depends on the future). The features can
 be negative, so the denominator is guarded (`core.guard_denominator`, with the floor above).
 
-Variance. Like every trigonometric RFF estimate of the softmax kernel, the
-estimate's variance grows like ``exp(|q^|^2 + |k^|^2)``; it is accurate for
-moderate norms only (the reason FAVOR+ uses positive features). Training is what
-makes the learned kernel useful, not the init estimator.
+Variance. Like every trigonometric RFF estimate of the softmax kernel, the estimate's
+variance grows like ``exp(|q^|^2 + |k^|^2)`` (the reason FAVOR+ uses positive features).
 
 Options: ``learn_frequencies=False`` (attention keyword, and the same keyword of
 `Mechanism.fixed_params`) freezes the frequencies -- ``stop_gradient`` in the
@@ -126,7 +116,12 @@ row, so the estimator stays unbiased with lower variance. ``pair_init``
 and ``pair_jitter`` (``flexformer_n`` init only; default ``"jitter"`` with 0.1, the
 init above) set ``omega2``: ``"tied"`` is the exact ``flexformer_s`` init, which
 gradient training never leaves (the features are symmetric in ``omega1 <->
-omega2``), ``"independent"`` a second draw (see `init_n`).
+omega2``), ``"independent"`` a second draw (see `init_n`). Init-only options of issue 35's
+ablation (docs/flexformer.md): ``init_scale`` multiplies the drawn frequencies (a sharper
+kernel at init, ``exp(-init_scale^2 |q^ - k^|^2 / 2)``); ``learn_bandwidth=True`` adds a
+learned per-dimension bandwidth ``params["log_bandwidth"] [H, d]`` (init 0): the map of
+``b * x`` (after ``qk_radius``, norm term included) with ``b = exp(log_bandwidth)``, i.e.
+frequencies ``Omega diag(b)`` and a kernel with a learned diagonal metric.
 
 Both are deterministic (``stochastic=False``): ``rng`` and ``deterministic`` are
 ignored. Public helpers: `feature_map_s` / `feature_map_n` (the stabilised
@@ -161,21 +156,38 @@ def _draw_frequencies(rng, num_heads, num_features, head_dim, init_method):
     return orthogonal_features(rng, num_heads, num_features, head_dim)
 
 
-def _check_init(name, num_heads, head_dim, num_features, init_method):
+def _check_init(name, num_heads, head_dim, num_features, init_method, init_scale):
     _checks.check_positive(name, num_heads=num_heads, head_dim=head_dim, num_features=num_features)
     _checks.check_choice(name, "init_method", init_method, _INIT_METHODS)
+    _checks.check_float(name, "init_scale", init_scale, lambda x: x > 0, "a float > 0")
+
+
+def _with_bandwidth(params, num_heads, head_dim, learn_bandwidth):
+    if not isinstance(learn_bandwidth, bool):
+        raise ValueError(f"flexformer: learn_bandwidth must be a bool, got {learn_bandwidth!r}")
+    if learn_bandwidth:
+        params["log_bandwidth"] = jnp.zeros((num_heads, head_dim), _f32)
+    return params
 
 
 def init_s(
-    rng, *, num_heads: int, head_dim: int, num_features: int = 128, init_method: str = "gaussian"
+    rng,
+    *,
+    num_heads: int,
+    head_dim: int,
+    num_features: int = 128,
+    init_method: str = "gaussian",
+    init_scale: float = 1.0,
+    learn_bandwidth: bool = False,
 ):
-    """``{"omega": [H, M, d], "log_scale": [H]}``: ``omega`` i.i.d. ``N(0, 1)`` (or orthogonal
-    blocks, see module doc), ``log_scale = 0`` (the temperature at init is 1: the seed's map)."""
-    _check_init("flexformer_s", num_heads, head_dim, num_features, init_method)
-    return {
-        "omega": _draw_frequencies(rng, num_heads, num_features, head_dim, init_method),
-        "log_scale": jnp.zeros((num_heads,), _f32),
-    }
+    """``{"omega": [H, M, d], "log_scale": [H]}``: ``omega`` i.i.d. ``N(0, init_scale^2)`` (or
+    orthogonal blocks times `init_scale`, see module doc), ``log_scale = 0`` (the temperature
+    at init is 1; with the default ``init_scale=1`` the seed's map). `learn_bandwidth` adds
+    ``"log_bandwidth" [H, d]`` (init 0; module docstring, "Options")."""
+    _check_init("flexformer_s", num_heads, head_dim, num_features, init_method, init_scale)
+    omega = _draw_frequencies(rng, num_heads, num_features, head_dim, init_method)
+    params = {"omega": init_scale * omega, "log_scale": jnp.zeros((num_heads,), _f32)}
+    return _with_bandwidth(params, num_heads, head_dim, learn_bandwidth)
 
 
 def init_n(
@@ -187,8 +199,13 @@ def init_n(
     init_method: str = "gaussian",
     pair_init: str = "jitter",
     pair_jitter: float = PAIR_JITTER,
+    init_scale: float = 1.0,
+    learn_bandwidth: bool = False,
 ):
     """``{"omega1", "omega2": [H, M, d], "tau": [H]}``; ``tau = log(2 sqrt d)``.
+
+    `init_scale` multiplies both frequency matrices (drawn as below), `learn_bandwidth` adds
+    ``"log_bandwidth" [H, d]`` (as `init_s`).
 
     ``omega1`` = the draw `init_s` makes from the same `rng`. ``omega2`` by `pair_init`:
 
@@ -205,12 +222,11 @@ def init_n(
     - ``"independent"``: a second independent draw; the cross terms then estimate 1,
       not the softmax kernel (the init is far from the RFF estimator).
     """
-    _check_init("flexformer_n", num_heads, head_dim, num_features, init_method)
+    _check_init("flexformer_n", num_heads, head_dim, num_features, init_method, init_scale)
     _checks.check_choice("flexformer_n", "pair_init", pair_init, _PAIR_INITS)
-    if isinstance(pair_jitter, bool) or not isinstance(pair_jitter, int | float):
-        raise ValueError(f"flexformer_n: pair_jitter must be a float >= 0, got {pair_jitter!r}")
-    if not pair_jitter >= 0:
-        raise ValueError(f"flexformer_n: pair_jitter must be a float >= 0, got {pair_jitter!r}")
+    _checks.check_float(
+        "flexformer_n", "pair_jitter", pair_jitter, lambda x: x >= 0, "a float >= 0"
+    )
     omega = _draw_frequencies(rng, num_heads, num_features, head_dim, init_method)
     key2 = jax.random.fold_in(rng, 1)
     if pair_init == "tied":
@@ -219,11 +235,12 @@ def init_n(
         omega2 = _draw_frequencies(key2, num_heads, num_features, head_dim, init_method)
     else:
         omega2 = omega + pair_jitter * jax.random.normal(key2, omega.shape, _f32)
-    return {
-        "omega1": omega,
-        "omega2": omega2,
+    params = {
+        "omega1": init_scale * omega,
+        "omega2": init_scale * omega2,
         "tau": jnp.full((num_heads,), math.log(2.0 * math.sqrt(head_dim)), _f32),
     }
+    return _with_bandwidth(params, num_heads, head_dim, learn_bandwidth)
 
 
 def _project(xh, omega):
@@ -304,6 +321,8 @@ def _parts_heads_first(variant, x, params, radius=None):
     """``(s, phi)``: log norm factor ``[B, T, H, 1]`` and trig features heads first
     ``[B, H, T, 2M]``."""
     x = _normalize(x, radius)
+    if "log_bandwidth" in params:  # the per-dimension bandwidth b: the map of b * x
+        x = x * jnp.exp(params["log_bandwidth"].astype(_f32))[None, None]
     xh = core.scale_inputs(x)
     # the features of a x^ (a the per-head temperature scale): a is folded into the
     # frequencies ([H, M, d]), not into the [B, T, H, d] input
@@ -348,14 +367,15 @@ def feature_map_n(x, params, *, is_query: bool, mask=None, qk_radius=QK_RADIUS):
 
 
 def _variant(params):
-    keys = set(params)
+    keys = set(params) - {"log_bandwidth"}
     if keys == {"omega", "log_scale"}:
         return "s"
     if keys == {"omega1", "omega2", "tau"}:
         return "n"
     raise ValueError(
         "flexformer: params must be flexformer_s params {'omega', 'log_scale'} or flexformer_n "
-        f"params {{'omega1', 'omega2', 'tau'}}, got keys {sorted(keys)}"
+        "params {'omega1', 'omega2', 'tau'} (either with an optional 'log_bandwidth'), got "
+        f"keys {sorted(params)}"
     )
 
 
@@ -448,16 +468,9 @@ FEATURE_MAPS = {"flexformer_s": _feature_map("s"), "flexformer_n": _feature_map(
 
 
 def _check_map_config(name, radius, den_floor):
-    if radius is not None and (
-        isinstance(radius, bool) or not isinstance(radius, int | float) or not radius > 0
-    ):
-        raise ValueError(f"{name}: qk_radius must be a float > 0 or None, got {radius!r}")
-    if (
-        isinstance(den_floor, bool)
-        or not isinstance(den_floor, int | float)
-        or not 0.0 <= den_floor < 1.0
-    ):
-        raise ValueError(f"{name}: den_floor must be a float in [0, 1), got {den_floor!r}")
+    if radius is not None:
+        _checks.check_float(name, "qk_radius", radius, lambda x: x > 0, "a float > 0 or None")
+    _checks.check_float(name, "den_floor", den_floor, lambda x: 0 <= x < 1, "a float in [0, 1)")
 
 
 def _attention_fn(name: str, *, quadratic: bool, doc: str):
@@ -485,6 +498,8 @@ def _attention_fn(name: str, *, quadratic: bool, doc: str):
         h, d = q.shape[2], q.shape[3]
         freq_keys = ("omega",) if name == "flexformer_s" else ("omega1", "omega2")
         extra = {"log_scale" if name == "flexformer_s" else "tau": (h,)}
+        if "log_bandwidth" in params:
+            extra["log_bandwidth"] = (h, d)
         _check_freqs(name, params, freq_keys, h, d, extra)
         _check_map_config(name, qk_radius, den_floor)
         params = dict(params)
@@ -536,6 +551,13 @@ reference_n = _attention_fn(
 )
 
 
+def _params_config(params, freq_key):
+    return {
+        "num_features": params[freq_key].shape[1],
+        "learn_bandwidth": "log_bandwidth" in params,
+    }
+
+
 def _fixed_s(*, learn_frequencies=True):
     return frozenset() if learn_frequencies else frozenset({"omega"})
 
@@ -554,7 +576,7 @@ MECHANISM_S = register(
         stochastic=False,
         fixed_fn=_fixed_s,
         feature_map_spec=FEATURE_MAPS["flexformer_s"],
-        params_config_fn=lambda params: {"num_features": params["omega"].shape[1]},
+        params_config_fn=lambda params: _params_config(params, "omega"),
         description="learnable spectral RFF, stationary (Bochner); Flexformer_s, O(T)",
     )
 )
@@ -569,7 +591,7 @@ MECHANISM_N = register(
         stochastic=False,
         fixed_fn=_fixed_n,
         feature_map_spec=FEATURE_MAPS["flexformer_n"],
-        params_config_fn=lambda params: {"num_features": params["omega1"].shape[1]},
+        params_config_fn=lambda params: _params_config(params, "omega1"),
         description="learnable spectral RFF pairs + scale, non-stationary (Yaglom); "
         "Flexformer_n, O(T)",
     )

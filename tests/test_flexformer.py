@@ -226,6 +226,52 @@ def test_temperature_scale(name, causal):
         _close(raw, ref, 1e-5, "raw map: the scale multiplies the inputs")
 
 
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_init_scale_and_learned_bandwidth(name, causal):
+    """Issue 35's init-only options. ``init_scale`` multiplies the default draw (same rng).
+    ``learn_bandwidth`` adds ``log_bandwidth [H, d]`` = 0, outputs unchanged at init; moved
+    to ``log b``, the attention is the raw map of the normalised inputs times ``b`` (the
+    norm term included), and ``log_bandwidth`` gets a gradient (linear == reference)."""
+    mech = la.get(name)
+    q, k, v = _inputs(jax.random.key(60), t=9)
+    mask = _mask(2, 9)
+    p = mech.init(jax.random.key(61), num_heads=2, head_dim=8, num_features=16)
+    p2 = mech.init(jax.random.key(61), num_heads=2, head_dim=8, num_features=16, init_scale=2.0)
+    for key in FREQ_KEYS[name]:
+        np.testing.assert_allclose(p2[key], 2.0 * p[key], rtol=1e-6)
+    pb = mech.init(
+        jax.random.key(61), num_heads=2, head_dim=8, num_features=16, learn_bandwidth=True
+    )
+    np.testing.assert_array_equal(pb.pop("log_bandwidth"), jnp.zeros((2, 8)))
+    assert set(pb) == set(p)
+    log_b = 0.3 * jax.random.normal(jax.random.key(62), (2, 8))
+    moved = {**p, "log_bandwidth": log_b}
+    attend = functools.partial(_jit(name), mask=mask, causal=causal, chunk_size=4)
+    _close(attend(q, k, v, {**p, "log_bandwidth": 0 * log_b}), attend(q, k, v, p), 1e-6, "b=1")
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True) * 8**0.25  # noqa: E731
+    b = jnp.exp(log_b)[None, None]
+    raw = _jit(name, qk_radius=None)(b * unit(q), b * unit(k), v, p, mask=mask, causal=causal)
+    out = attend(q, k, v, moved)
+    _close(out, raw, 1e-5, "bandwidth: the map of b * x^")
+    assert float(jnp.max(jnp.abs(out - attend(q, k, v, p)))) > 1e-3
+
+    def loss(fn, lb):
+        return jnp.sum(fn(q, k, v, {**p, "log_bandwidth": lb}, mask=mask, causal=causal) * v)
+
+    g = jax.grad(loss, argnums=1)(attend, log_b)
+    g_ref = jax.grad(loss, argnums=1)(_jit(name, reference=True), log_b)
+    _close(g, g_ref, TOL[jnp.float32][1], "log_bandwidth gradient")
+    assert float(jnp.max(jnp.abs(g))) > 1e-3
+    with pytest.raises(ValueError, match="log_bandwidth"):
+        mech.attention(q, k, v, {**p, "log_bandwidth": log_b[:, :3]})
+    for bad in (0.0, -1.0, True):
+        with pytest.raises(ValueError, match="init_scale"):
+            mech.init(jax.random.key(0), num_heads=2, head_dim=8, init_scale=bad)
+    with pytest.raises(ValueError, match="learn_bandwidth"):
+        mech.init(jax.random.key(0), num_heads=2, head_dim=8, learn_bandwidth="yes")
+
+
 # --------------------------------------------------------------------------- estimator quality
 
 

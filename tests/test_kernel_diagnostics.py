@@ -42,23 +42,27 @@ def _moved(params, freq, tau_shift):
         name = str(getattr(path[-1], "key", ""))
         if name.startswith("omega"):
             return x * freq
+        if name == "log_bandwidth":  # every dimension moved by a factor 1.2 up or down
+            return x + math.log(1.2) * jnp.where(jnp.arange(x.size) % 2, 1, -1).reshape(x.shape)
         return x + tau_shift if name == "tau" else x
 
     return jax.tree_util.tree_map_with_path(move, params)
 
 
 def test_entries_on_known_params():
-    """At init both ratios are 1 exactly; frequencies x1.5 and tau - 2 log 2 (the scale
-    doubled, the tie of linattn_jax.flexformer) read 1.5 and 2. Every entry is present and in
+    """At init the ratios are 1 exactly; frequencies x1.5, tau - 2 log 2 (the scale
+    doubled, the tie of linattn_jax.flexformer) and the learned bandwidths x1.2 or /1.2 read
+    1.5, 2 and 1.2. Every entry is present and in
     range; hedgehog (positive features) has no negative weights and no frequency entries;
     softmax has no diagnostics."""
     task = toy_task()
-    config = tiny_config("flexformer_n", num_features=4)
+    config = tiny_config("flexformer_n", num_features=4, learn_bandwidth=True)
     trainer = Trainer(config, task, devices=jax.devices()[:1])
     diag = kd.for_run(trainer, config)
     start = diag.start
-    assert set(start) == {kd.PREFIX + k for k in KEYS}
+    assert set(start) == {kd.PREFIX + k for k in (*KEYS, "bandwidth_ratio")}
     assert start["kernel/freq_norm_ratio"] == 1.0 and start["kernel/scale_ratio"] == 1.0
+    assert start["kernel/bandwidth_ratio"] == 1.0
     assert 0.0 <= start["kernel/neg_weight_frac"] < 0.5
     assert 0.5 < start["kernel/entropy_ratio"] <= 1.0 + 1e-6
     assert 0.0 <= start["kernel/shift_gap"] < 1e-3  # pairs 0.1 apart: nearly stationary
@@ -67,6 +71,7 @@ def test_entries_on_known_params():
     got = diag(moved)
     np.testing.assert_allclose(got["kernel/freq_norm_ratio"], 1.5, rtol=1e-5)
     np.testing.assert_allclose(got["kernel/scale_ratio"], 2.0, rtol=1e-5)
+    np.testing.assert_allclose(got["kernel/bandwidth_ratio"], 1.2, rtol=1e-5)
     assert got["kernel/entropy_ratio"] < start["kernel/entropy_ratio"]  # sharper kernel
     assert diag.summary() == {"start": start, "end": got}
 

@@ -12,6 +12,9 @@ computes, every ``log_every`` steps, on a small fixed probe batch (the first
 - ``kernel/scale_ratio``: the learned temperature scale ``a`` over its init, per head then
   averaged (flexformer_s: ``exp(log_scale)``; flexformer_n: ``exp(-tau / 2)``, the tie of
   ``linattn_jax.flexformer``; rfa: ``mean |sigma|``);
+- ``kernel/bandwidth_ratio`` (flexformers with ``learn_bandwidth``): the typical factor by
+  which a dimension's learned bandwidth moved, ``exp(mean |log b - log b_init|)`` over heads
+  and dimensions (1 unmoved; 1.1 a 10% move either way);
 - ``kernel/neg_weight_frac``: the share of negative normalised attention weights over the
   probe's visible (query, key) pairs, every layer;
 - ``kernel/entropy_ratio``: the attention rows' entropy over the uniform row's ``log n``
@@ -166,7 +169,7 @@ class KernelDiagnostics:
             self.model, {"params": params, **extra}, *probe, deterministic=True
         )
         fixed = extra.get("fixed", {})
-        negs, ents, gaps, freq, freq0, scale = [], [], [], [], [], []
+        negs, ents, gaps, freq, freq0, scale, bw = [], [], [], [], [], [], []
         for call in calls:
             mp = _mechanism_params(params, call.path)
             mp0 = _mechanism_params(init_params, call.path)
@@ -180,6 +183,8 @@ class KernelDiagnostics:
                 freq0.append(_freq_norm(mp0))
             if _scale(mp) is not None:
                 scale.append(jnp.mean(_scale(mp) / _scale(mp0)))
+            if "log_bandwidth" in mp:
+                bw.append(jnp.mean(jnp.abs(mp["log_bandwidth"] - mp0["log_bandwidth"])))
             if self.name == "flexformer_n":
                 d = call.q.shape[-1]
                 shifts = jax.random.normal(jax.random.key(0), (GAP_SHIFTS, d)) / math.sqrt(
@@ -194,6 +199,8 @@ class KernelDiagnostics:
             out["freq_norm_ratio"] = jnp.mean(jnp.stack(freq)) / jnp.mean(jnp.stack(freq0))
         if scale:
             out["scale_ratio"] = jnp.mean(jnp.stack(scale))
+        if bw:
+            out["bandwidth_ratio"] = jnp.exp(jnp.mean(jnp.stack(bw)))
         if gaps:
             out["shift_gap"] = jnp.mean(jnp.stack(gaps))
         return out
