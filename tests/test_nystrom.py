@@ -172,7 +172,8 @@ def test_laplacian_m_equals_t_is_full_kernel(kernel):
     Gaussian ``exp(-|q_i - k_j|_2^2 / (sqrt(pi) lambda))``; with shared landmarks C_q = K
     and A^+ C_k = kappa(K, K)^-1 kappa(K, K) = I), in every normalisation:
     row: K V / K 1;  injective: whiten_columns(K) V;  uncentered: each column of K divided
-    by its root mean square;  none: K V. The effective weights of "none" are K's entries."""
+    by its root mean square;  none: K V. The effective weights of "none" are K's entries,
+    and its gradients (q, k, v, lambda) are those of the naive K V."""
     q, k, v = _inputs(1, tq=8)
     params = _params("laplacian", local_window=0)
     kmat = _LAP_KERNELS_NP[kernel](_np(q), _np(k), np.exp(_np(params["log_lam"])))
@@ -199,6 +200,29 @@ def test_laplacian_m_equals_t_is_full_kernel(kernel):
         )
         errs[norm, inverse] = _close(out, want[norm], 2e-4, f"{norm} {inverse}")
     print(f"laplacian ({kernel}) m=T max abs err:", errs)
+    # Gradients of "none" (out = K V; A^+ C_k = I has none) against the naive kernel in jnp.
+    def naive(q, k, v, log_lam):
+        diff = q[:, :, None] - k[:, None, :]  # [B, N, M, H, D]
+        if kernel == "laplace":
+            dist = jnp.sum(jnp.abs(diff), -1)
+        else:
+            dist = jnp.sum(diff**2, -1) / math.sqrt(math.pi)
+        kern = jnp.exp(-dist / jnp.exp(log_lam)[None, None, None])  # [B, N, M, H]
+        return jnp.einsum("bijh,bjhd->bihd", kern, v)
+
+    def lib(q, k, v, log_lam):
+        p = {"log_lam": log_lam}
+        return lap.laplacian_attention(q, k, v, p, normalize="none", inverse="exact", **cfg)
+
+    cot = jax.random.normal(jax.random.key(5), v.shape)
+    grads = [
+        jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cot), argnums=(0, 1, 2, 3))(
+            q, k, v, params["log_lam"]
+        )
+        for f in (lib, naive)
+    ]
+    for what, a, b in zip(("q", "k", "v", "log_lam"), *grads):
+        _close(a, b, 1e-3 * max(1.0, float(jnp.max(jnp.abs(b)))), f"{kernel} grad {what}")
 
 
 def test_soft_m_equals_t_is_full_gaussian_kernel():
