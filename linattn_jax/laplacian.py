@@ -13,6 +13,26 @@
   `kernels.laplace_kernel` (Pallas on GPU; ``impl``/``interpret`` are passed through),
   ``A^+`` by Newton-Schulz.
 
+  Gaussian ablation (config ``kernel="gaussian"``; default ``"laplace"``): the paper's
+  claim is that the Laplace kernel beats the Gaussian one, whose ``|q - k|_2^2`` decays
+  faster and over-suppresses mid-range pairs. To test the kernel alone, ``"gaussian"``
+  swaps only kappa, ``exp(-|q - k|_2^2 / (c lambda))`` with c = sqrt(pi) (`GAUSSIAN_C`),
+  and keeps everything else: the same lambda (learnable ``log_lam`` from the same init
+  d / 2, or the fixed ``lam``), landmarks, local branch, normalisation and inverse. The
+  bandwidth makes the two comparable at init: for q, k with independent unit-variance
+  Gaussian coordinates ``E|q - k|_1 = 2 d / sqrt(pi)`` and ``E|q - k|_2^2 = 2 d``, so with
+  c = sqrt(pi) both kernels have the mean exponent ``4 / sqrt(pi) = 2.26`` at
+  lambda = d / 2, whatever d: on such q, k the median entries are 0.102 (Laplace) and
+  0.108 (Gaussian) at d = 16, 0.106 and 0.108 at d = 64 (printed by ``pytest -s
+  tests/test_nystrom.py -k test_gaussian_bandwidth_matches_laplace_at_init``). On the real
+  models' q, k at init (the models above) the median squared L2 distance is 1.9 d - 2.0 d
+  and the median entries agree, Laplace 0.10 - 0.11 and Gaussian 0.10 - 0.12, the
+  Gaussian's spreading wider (10% - 90% quantiles 0.032 - 0.27 against 0.055 - 0.18;
+  ``python -m train.bench_activations --sections kernels``, docs/activations.md). How the
+  two differ away from the median, and what that does to training, is what the comparison
+  measures. The squared distances are ``|x|^2 + |y|^2 - 2 x.y`` (one full-precision
+  matmul, plain jnp, no Pallas kernel), clamped at 0.
+
   Injective feature map (the paper; default ``normalize="injective"``):
   ``c_i = kappa(q_i, K~)`` is whitened per landmark coordinate over the (unmasked) queries
   of the same sequence (the diagonal approximation of the paper's whitening matrix;
@@ -36,7 +56,7 @@
 
   Landmark matrix (our choice, config ``shared_landmarks``, default True): one landmark set,
   the key landmarks K~, on both sides, ``A = kappa(K~, K~)``, ``C_k = kappa(K~, K)``. A is
-  then symmetric positive definite (the Laplace kernel is positive definite), so
+  then symmetric positive definite (both kernels are positive definite), so
   ``A + eps I`` has sigma_min >= eps and Newton-Schulz converges. Nystromformer's separate
   query landmarks (``shared_landmarks=False``, ``A = kappa(Q~, K~)``) give a non-symmetric
   A whose sigma_min falls to 4.0e-8 - 4.6e-6 against sigma_max 3.7 - 21 on the real
@@ -67,6 +87,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 import kernels
 from linattn_jax import _checks
@@ -76,6 +97,7 @@ from linattn_jax.nystrom_core import (
     _check_impl,
     _inverter,
     _nystrom,
+    _sq_dist,
 )
 from linattn_jax.registry import Mechanism, register
 
@@ -84,6 +106,11 @@ _f32 = jnp.float32
 
 #: Default Newton-Schulz iterations (measurements: `linattn_jax.nystrom_core`).
 LAP_NS_ITERS = 30
+
+
+#: c of ``kernel="gaussian"``, ``exp(-|q - k|_2^2 / (c lambda))``: sqrt(pi) gives it the
+#: Laplace kernel's mean exponent at the same lambda (see the module docstring).
+GAUSSIAN_C = math.sqrt(math.pi)
 
 
 def _laplace_kappa(lam, impl, interpret):
@@ -97,10 +124,24 @@ def _laplace_kappa(lam, impl, interpret):
     return kappa
 
 
+def _gaussian_kappa(lam):
+    """``exp(-|x - y|_2^2 / (c lam_h))`` with lam ``[H]``, c = `GAUSSIAN_C` (plain jnp; the
+    squared distances by a full-precision matmul, clamped at 0)."""
+    inv = (1.0 / (GAUSSIAN_C * lam))[None, :, None, None]
+
+    def kappa(x, y, col_valid, axis=None):
+        del axis  # entrywise
+        sq = _sq_dist(x, y, precision=lax.Precision.HIGHEST)
+        return jnp.exp(-sq * inv) * col_valid[:, None, None, :]
+
+    return kappa
+
+
 # --------------------------------------------------------------------------- laplacian
 
 _LAP = "laplacian"
 _LAP_NORMALIZE = ("injective", "uncentered", "row", "none")
+_LAP_KERNELS = ("laplace", "gaussian")
 
 
 def laplacian_lam_init(head_dim: int) -> float:
@@ -148,6 +189,11 @@ def _check_lam(lam):
         raise ValueError(f"{_LAP}: lam must be None (learnable) or a float > 0, got {lam!r}")
 
 
+def _check_kernel(kernel):
+    if not (isinstance(kernel, str) and kernel in _LAP_KERNELS):
+        raise ValueError(f"{_LAP}: kernel must be one of {_LAP_KERNELS}, got {kernel!r}")
+
+
 def _check_local_window(local_window):
     ok = isinstance(local_window, int) and not isinstance(local_window, bool)
     if not (ok and (local_window == 0 or (local_window > 0 and local_window % 2 == 1))):
@@ -158,8 +204,8 @@ def _check_local_window(local_window):
 
 
 def _laplacian(
-    q, k, v, params, mask, causal, num_landmarks, ns_iters, eps, lam, grid, inverse, normalize,
-    local_window, shared_landmarks, impl, interpret, output, axis=None,
+    q, k, v, params, mask, causal, num_landmarks, ns_iters, eps, lam, kernel, grid, inverse,
+    normalize, local_window, shared_landmarks, impl, interpret, output, axis=None,
 ):  # fmt: skip
     _checks.check_inputs(_LAP, q, k, v, mask, causal=causal)
     _checks.check_causal_supported(_LAP, causal)
@@ -174,6 +220,7 @@ def _laplacian(
     )
     _check_impl(_LAP, impl)
     _check_lam(lam)
+    _check_kernel(kernel)
     _check_local_window(local_window)
     if not isinstance(shared_landmarks, bool):
         raise ValueError(
@@ -195,12 +242,16 @@ def _laplacian(
     else:
         lam_h = jnp.full((h,), lam, _f32)
     invert = _inverter(inverse, _LAP, ns_iters, eps, impl, interpret)
+    if kernel == "laplace":
+        kappa = _laplace_kappa(lam_h, impl, interpret)
+    else:
+        kappa = _gaussian_kappa(lam_h)
     return _nystrom(
         q.astype(_f32),
         k.astype(_f32),
         v,
         mask,
-        _laplace_kappa(lam_h, impl, interpret),
+        kappa,
         invert,
         num_landmarks=num_landmarks,
         grid=grid,
@@ -226,6 +277,7 @@ def laplacian_attention(
     ns_iters=LAP_NS_ITERS,
     eps=0.01,
     lam=None,
+    kernel="laplace",
     grid=None,
     inverse="iterative",
     normalize="injective",
@@ -244,6 +296,9 @@ def laplacian_attention(
       eps: the Newton-Schulz regulariser, ``P = A + eps I``.
       lam: None (learnable ``exp(params["log_lam"])``, init d / 2) or a fixed lambda > 0
         (the paper's models use 4).
+      kernel: ``"laplace"`` (the paper's ``exp(-|q - k|_1 / lambda)``) or ``"gaussian"``
+        (``exp(-|q - k|_2^2 / (sqrt(pi) lambda))``, the ablation of the Laplace kernel: the
+        same lambda, landmarks, local branch, normalisation and inverse).
       grid: optional ``(h, w)``: the last ``h * w`` tokens are an image (2-D landmarks and
         a ``w x w`` local branch).
       inverse: ``"iterative"`` (Newton-Schulz) or ``"exact"`` (``(A + eps I)^-1`` by an LU
@@ -254,13 +309,13 @@ def laplacian_attention(
       local_window: w, the local branch's window (odd; 0 = off).
       shared_landmarks: A and C_k from the key landmarks on both sides (symmetric A; the
         default, see the module docstring) or, when False, query landmarks on the left.
-      impl, interpret: passed to `kernels.laplace_kernel` and
-        `kernels.newton_schulz_inverse`.
+      impl, interpret: passed to `kernels.laplace_kernel` (the Laplace kernel; the Gaussian
+        one is plain jnp) and `kernels.newton_schulz_inverse`.
     """
     del rng, deterministic
     out = _laplacian(
-        q, k, v, params, mask, causal, num_landmarks, ns_iters, eps, lam, grid, inverse,
-        normalize, local_window, shared_landmarks, impl, interpret, "linear",
+        q, k, v, params, mask, causal, num_landmarks, ns_iters, eps, lam, kernel, grid,
+        inverse, normalize, local_window, shared_landmarks, impl, interpret, "linear",
     )  # fmt: skip
     return out.astype(q.dtype)
 
@@ -279,6 +334,7 @@ def laplacian_reference(
     ns_iters=LAP_NS_ITERS,
     eps=0.01,
     lam=None,
+    kernel="laplace",
     grid=None,
     inverse="iterative",
     normalize="injective",
@@ -291,8 +347,8 @@ def laplacian_reference(
     (``[B, H, Tq, Tk]``)."""
     del rng, deterministic
     out = _laplacian(
-        q, k, v, params, mask, causal, num_landmarks, ns_iters, eps, lam, grid, inverse,
-        normalize, local_window, shared_landmarks, impl, interpret, "reference",
+        q, k, v, params, mask, causal, num_landmarks, ns_iters, eps, lam, kernel, grid,
+        inverse, normalize, local_window, shared_landmarks, impl, interpret, "reference",
     )  # fmt: skip
     return out.astype(q.dtype)
 
@@ -307,6 +363,7 @@ def laplacian_weights(
     ns_iters=LAP_NS_ITERS,
     eps=0.01,
     lam=None,
+    kernel="laplace",
     grid=None,
     inverse="iterative",
     normalize="injective",
@@ -319,8 +376,8 @@ def laplacian_weights(
     the local branch included."""
     v = jnp.zeros(k.shape[:3] + (1,), _f32)
     return _laplacian(
-        q, k, v, params, mask, False, num_landmarks, ns_iters, eps, lam, grid, inverse,
-        normalize, local_window, shared_landmarks, impl, interpret, "weights",
+        q, k, v, params, mask, False, num_landmarks, ns_iters, eps, lam, kernel, grid,
+        inverse, normalize, local_window, shared_landmarks, impl, interpret, "weights",
     )  # fmt: skip
 
 
@@ -339,6 +396,7 @@ LAPLACIAN = register(
 
 __all__ = [
     "LAP_NS_ITERS",
+    "GAUSSIAN_C",
     "laplacian_lam_init",
     "laplacian_init",
     "laplacian_attention",

@@ -65,6 +65,15 @@ _IMPLS = ("auto", "xla", "pallas")
 # (`_seq`).
 
 
+def _sq_dist(x, y, precision=None):
+    """``|x_n - y_m|_2^2`` as ``[B, H, N, M]`` from x ``[B, H, N, D]``, y ``[B, H, M, D]``,
+    expanded (``|x|^2 + |y|^2 - 2 x.y``, one matmul) and clamped at 0, where rounding can
+    make it slightly negative. `precision`: the matmul's (`jax.lax.Precision`)."""
+    cross = jnp.einsum("bhnd,bhmd->bhnm", x, y, precision=precision)
+    sq = jnp.sum(x * x, axis=-1)[..., :, None] + jnp.sum(y * y, axis=-1)[..., None, :]
+    return jnp.maximum(sq - 2.0 * cross, 0.0)
+
+
 # --------------------------------------------------------------------------- inverses
 
 

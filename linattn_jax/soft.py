@@ -27,6 +27,7 @@ from linattn_jax.nystrom_core import (
     _check_impl,
     _inverter,
     _nystrom,
+    _sq_dist,
 )
 from linattn_jax.registry import Mechanism, register
 
@@ -39,14 +40,8 @@ SOFT_NS_ITERS = 20
 
 def _gaussian_kappa(x, y, col_valid, axis=None):
     """``exp(-|x - y|^2 / 2)`` (x, y already scaled by d^-1/4)."""
-    sq = (
-        jnp.sum(x * x, axis=-1)[..., :, None]
-        + jnp.sum(y * y, axis=-1)[..., None, :]
-        - 2.0 * jnp.einsum("bhnd,bhmd->bhnm", x, y)
-    )
     del axis  # entrywise
-    # Rounding can make the expanded squared distance slightly negative.
-    return jnp.exp(-0.5 * jnp.maximum(sq, 0.0)) * col_valid[:, None, None, :]
+    return jnp.exp(-0.5 * _sq_dist(x, y)) * col_valid[:, None, None, :]
 
 
 # --------------------------------------------------------------------------- soft

@@ -2,6 +2,8 @@
 and the pin of issue 19's stability measure (flexformer_n's spread across meshes against
 softmax's)."""
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -104,6 +106,23 @@ def test_laplacian_stats_small():
     assert 0 < shared["query_scale"] <= shared["scale"] * (1 + 1e-9)
     lo, mid, hi = r["kernel_q"]["d/2"]
     assert 0 < lo <= mid <= hi <= 1
+
+
+def test_kernel_stats_on_unit_gaussians():
+    """Unit-Gaussian q, k (d = 16): median |q - k|_1 / d near 2 / sqrt(pi) = 1.13 and
+    |q - k|_2^2 / d near 2, and at lambda = d / 2 the two kernels' median entries within 25%
+    (laplacian's kernel="gaussian" bandwidth); only the valid pairs count."""
+    q, k = _qk(5, b=2, t=32, h=1, d=16)
+    mask = jnp.arange(32)[None, :] < jnp.array([32, 20])[:, None]
+    junk = q.at[1, 20:].set(100.0)  # padded rows: far from everything, must not count
+    cap = ba.Capture(("l",), junk, k, k, mask, False, {})
+    r = ba.kernel_stats([cap])
+    assert abs(r["median_l1_over_d"] - 2 / math.sqrt(math.pi)) < 0.1, r
+    assert abs(r["median_l2sq_over_d"] - 2.0) < 0.25, r
+    assert 0.8 < r["gaussian"][1] / r["laplace"][1] < 1.25, r
+    for name in ("laplace", "gaussian"):
+        lo, mid, hi = r[name]
+        assert 0 < lo <= mid <= hi <= 1
 
 
 def test_mock_image_task_batches():

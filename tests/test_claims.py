@@ -161,6 +161,7 @@ def test_table_claims_decide_by_interval_and_skip_unlearned_tasks(tmp_path, monk
             ("listops", "hedgehog", s): 0.22 + j,
             ("listops", "lara", s): 0.30 + j,  # clearly above performer
             ("listops", "laplacian", s): (0.19, 0.23, 0.20, 0.22, 0.21)[s],  # within noise
+            ("listops", "laplacian_gaussian", s): 0.15 + j,  # the kernel ablation: below
             ("pathfinder", "softmax", s): 0.75 if s else 0.60,  # one seed below 70%: gated
         }
     _fake_runs(tmp_path, accs)
@@ -179,9 +180,14 @@ def test_table_claims_decide_by_interval_and_skip_unlearned_tasks(tmp_path, monk
     numbers, verdict, _ = table.compare(got, "performer", ["lara"])
     assert verdict == claims.NOT_REPRODUCED, numbers
     assert table.equal_budget(settings).verdict == claims.PARTLY  # softmax learns 1 of 2
-    # the kernel ablation needs a mechanism option the library does not have yet
-    if table.gaussian_option():
-        assert table.laplacian_beats_soft(settings).verdict == claims.NOT_TESTABLE
+    # the kernel ablation: laplacian(kernel="gaussian") exists (issue 37), so it is decided
+    assert table.gaussian_option() == ""
+    finding = table.laplacian_beats_soft(settings)
+    assert finding.verdict == claims.REPRODUCED, finding.numbers
+    assert finding.data["per"] == {"listops|laplacian_gaussian": claims.REPRODUCED}
+    assert table.task_config("listops", "laplacian_gaussian", 0).attention_config.kernel == (
+        "gaussian"
+    )
 
 
 def test_table_claims_on_a_subset_of_the_tasks(tmp_path, monkeypatch):

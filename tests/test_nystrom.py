@@ -31,6 +31,7 @@ CASES = [
     ("laplacian", {"normalize": "row"}),
     ("laplacian", {"normalize": "none"}),
     ("laplacian", {"shared_landmarks": False, "local_window": 0}),
+    ("laplacian", {"kernel": "gaussian", "normalize": "injective"}),  # issue 37's ablation
 ]
 IDS = [f"{n}-{c.get('normalize', 'none')}-{len(c)}" for n, c in CASES]
 WEIGHTS = {
@@ -79,6 +80,17 @@ def _laplace_np(x, y, lam):
     """x [B,N,H,D], y [B,M,H,D], lam [H] -> [B,H,N,M]."""
     dist = np.abs(x[:, :, None] - y[:, None, :]).sum(-1)  # [B, N, M, H]
     return np.exp(-dist.transpose(0, 3, 1, 2) / lam[None, :, None, None])
+
+
+def _gauss_lam_np(x, y, lam):
+    """laplacian's ``kernel="gaussian"``: ``exp(-|x - y|_2^2 / (sqrt(pi) lam))``, shapes as
+    `_laplace_np`."""
+    sq = ((x[:, :, None] - y[:, None, :]) ** 2).sum(-1)  # [B, N, M, H]
+    return np.exp(-sq.transpose(0, 3, 1, 2) / (math.sqrt(math.pi) * lam[None, :, None, None]))
+
+
+#: laplacian's kernels (config ``kernel``) in numpy.
+_LAP_KERNELS_NP = {"laplace": _laplace_np, "gaussian": _gauss_lam_np}
 
 
 def _gauss_np(x, y):
@@ -153,15 +165,21 @@ def test_linear_path_matches_materialised_reference(name, cfg):
 # --------------------------------------------------------------------------- m = T: the full kernel
 
 
-def test_laplacian_m_equals_t_is_full_laplace_kernel():
+@pytest.mark.parametrize("kernel", ["laplace", "gaussian"])
+def test_laplacian_m_equals_t_is_full_kernel(kernel):
     """Landmarks = tokens, an exact inverse, eps = 0 and no local branch: laplacian is the
-    quadratic computation on the full Laplace kernel matrix K = kappa(Q, K) (with shared
-    landmarks C_q = K and A^+ C_k = kappa(K, K)^-1 kappa(K, K) = I), in every normalisation:
+    quadratic computation on the full kernel matrix K = kappa(Q, K) (Laplace, or the
+    Gaussian ``exp(-|q_i - k_j|_2^2 / (sqrt(pi) lambda))``; with shared landmarks C_q = K
+    and A^+ C_k = kappa(K, K)^-1 kappa(K, K) = I), in every normalisation:
     row: K V / K 1;  injective: whiten_columns(K) V;  uncentered: each column of K divided
-    by its root mean square;  none: K V."""
+    by its root mean square;  none: K V. The effective weights of "none" are K's entries,
+    and its gradients (q, k, v, lambda) are those of the naive K V."""
     q, k, v = _inputs(1, tq=8)
     params = _params("laplacian", local_window=0)
-    kmat = _laplace_np(_np(q), _np(k), np.exp(_np(params["log_lam"])))
+    kmat = _LAP_KERNELS_NP[kernel](_np(q), _np(k), np.exp(_np(params["log_lam"])))
+    cfg = dict(num_landmarks=8, eps=0.0, local_window=0, kernel=kernel)
+    w = lap.laplacian_weights(q, k, params, normalize="none", inverse="exact", **cfg)
+    _close(w, kmat, 2e-4, f"{kernel} kernel entries")
     want = {
         "row": _apply(kmat / kmat.sum(-1, keepdims=True), _np(v)),
         "injective": _apply(_whiten_np(kmat), _np(v)),
@@ -178,11 +196,33 @@ def test_laplacian_m_equals_t_is_full_laplace_kernel():
         ("injective", "iterative", 60),
     ):
         out = lap.laplacian_attention(
-            q, k, v, params, num_landmarks=8, eps=0.0, normalize=norm, inverse=inverse,
-            ns_iters=iters, local_window=0,
-        )  # fmt: skip
+            q, k, v, params, normalize=norm, inverse=inverse, ns_iters=iters, **cfg
+        )
         errs[norm, inverse] = _close(out, want[norm], 2e-4, f"{norm} {inverse}")
-    print("laplacian m=T max abs err:", errs)
+    print(f"laplacian ({kernel}) m=T max abs err:", errs)
+    # Gradients of "none" (out = K V; A^+ C_k = I has none) against the naive kernel in jnp.
+    def naive(q, k, v, log_lam):
+        diff = q[:, :, None] - k[:, None, :]  # [B, N, M, H, D]
+        if kernel == "laplace":
+            dist = jnp.sum(jnp.abs(diff), -1)
+        else:
+            dist = jnp.sum(diff**2, -1) / math.sqrt(math.pi)
+        kern = jnp.exp(-dist / jnp.exp(log_lam)[None, None, None])  # [B, N, M, H]
+        return jnp.einsum("bijh,bjhd->bihd", kern, v)
+
+    def lib(q, k, v, log_lam):
+        p = {"log_lam": log_lam}
+        return lap.laplacian_attention(q, k, v, p, normalize="none", inverse="exact", **cfg)
+
+    cot = jax.random.normal(jax.random.key(5), v.shape)
+    grads = [
+        jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cot), argnums=(0, 1, 2, 3))(
+            q, k, v, params["log_lam"]
+        )
+        for f in (lib, naive)
+    ]
+    for what, a, b in zip(("q", "k", "v", "log_lam"), *grads):
+        _close(a, b, 1e-3 * max(1.0, float(jnp.max(jnp.abs(b)))), f"{kernel} grad {what}")
 
 
 def test_soft_m_equals_t_is_full_gaussian_kernel():
@@ -227,39 +267,120 @@ def test_nystromformer_m_equals_t_is_softmax_attention():
     assert err_20 < err_6
 
 
-def test_segment_landmarks_match_numpy_nystrom():
-    """General m: the library equals the textbook Nystrom formula from explicitly computed
-    segment-mean landmarks (T = 10, m = 4: segments of sizes 3, 2, 3, 2)."""
-    q, k, v = _inputs(4, b=1, tq=10)
-    params = _params("laplacian")
+def _segment_landmarks(q, k):
+    """Segment means of q and k (T = 10, m = 4: segments of sizes 3, 2, 3, 2), numpy."""
     seg = np.array([0, 0, 0, 1, 1, 2, 2, 2, 3, 3])  # floor(r * 4 / 10)
     onehot = (seg[:, None] == np.arange(4)).astype(np.float64)
     avg = onehot / onehot.sum(0)
-    ql, kl = np.einsum("tl,bthd->blhd", avg, _np(q)), np.einsum("tl,bthd->blhd", avg, _np(k))
+    return tuple(np.einsum("tl,bthd->blhd", avg, _np(x)) for x in (q, k))
+
+
+@pytest.mark.parametrize("kernel", ["laplace", "gaussian"])
+def test_segment_landmarks_match_numpy_nystrom(kernel):
+    """General m: laplacian equals the textbook Nystrom formula from explicitly computed
+    segment-mean landmarks (T = 10, m = 4), with either kernel."""
+    q, k, v = _inputs(4, b=1, tq=10)
+    params = _params("laplacian")
+    ql, kl = _segment_landmarks(q, k)
     lam = np.exp(_np(params["log_lam"]))
-    cq = _laplace_np(_np(q), kl, lam)
+    kap = lambda x, y: _LAP_KERNELS_NP[kernel](x, y, lam)  # noqa: E731
+    cq = kap(_np(q), kl)
     # Shared landmarks (default): A = kappa(K~, K~), C_k = kappa(K~, K); with the local branch.
-    a, ck = _laplace_np(kl, kl, lam), _laplace_np(kl, _np(k), lam)
+    a, ck = kap(kl, kl), kap(kl, _np(k))
     w = cq @ np.linalg.inv(a + 0.01 * np.eye(4)) @ ck
-    out = lap.laplacian_attention(q, k, v, params, num_landmarks=4, normalize="row")
+    cfg = dict(num_landmarks=4, kernel=kernel)
+    out = lap.laplacian_attention(q, k, v, params, normalize="row", **cfg)
     want = _apply(w / w.sum(-1, keepdims=True), _np(v)) + _local_np(params["local"], v)
-    _close(out, want, 2e-4, "laplacian row, m=4")
+    _close(out, want, 2e-4, f"{kernel} row, m=4")
     wi = _whiten_np(cq) @ np.linalg.inv(a + 0.01 * np.eye(4)) @ ck
-    out = lap.laplacian_attention(q, k, v, params, num_landmarks=4)
-    _close(out, _apply(wi, v) + _local_np(params["local"], v), 2e-4, "injective, m=4")
+    out = lap.laplacian_attention(q, k, v, params, **cfg)
+    _close(out, _apply(wi, v) + _local_np(params["local"], v), 2e-4, f"{kernel} injective")
     # Separate landmarks: A = kappa(Q~, K~), C_k = kappa(Q~, K).
-    a, ck = _laplace_np(ql, kl, lam), _laplace_np(ql, _np(k), lam)
+    a, ck = kap(ql, kl), kap(ql, _np(k))
     wi = _whiten_np(cq) @ np.linalg.inv(a) @ ck
     out = lap.laplacian_attention(
-        q, k, v, params, num_landmarks=4, eps=0.0, inverse="exact", shared_landmarks=False,
-        local_window=0,
-    )  # fmt: skip
-    _close(out, _apply(wi, v), 2e-4, "injective separate landmarks, m=4")
-    # nystromformer: softmax kernels, output C_q A^+ C_k V.
+        q, k, v, params, eps=0.0, inverse="exact", shared_landmarks=False, local_window=0, **cfg
+    )
+    _close(out, _apply(wi, v), 2e-4, f"{kernel} injective separate landmarks")
+
+
+def test_segment_landmarks_match_numpy_nystromformer():
+    """nystromformer from the same segment-mean landmarks: softmax kernels, output
+    C_q A^+ C_k V."""
+    q, k, v = _inputs(4, b=1, tq=10)
+    ql, kl = _segment_landmarks(q, k)
     s = lambda x, y: _softmax_np(x, y)  # noqa: E731
     w = s(_np(q), kl) @ np.linalg.pinv(s(ql, kl)) @ s(ql, _np(k))
     out = nf.nystromformer_attention(q, k, v, {}, num_landmarks=4, inverse="exact")
     _close(out, _apply(w, _np(v)), 2e-4, "nystromformer, m=4")
+
+
+# --------------------------------------------------------------------------- the kernel option
+
+
+def test_gaussian_bandwidth_matches_laplace_at_init():
+    """``kernel="gaussian"`` at the init lambda = d / 2 on unit-Gaussian q, k (d = 16 and 64,
+    the real models' head dims): its median entry is within 25% of the Laplace kernel's
+    (c = sqrt(pi) equalises the mean exponents, 4 / sqrt(pi); the medians differ by the
+    skew of |q - k|_2^2), both near 0.1. Entries: the effective weights with landmarks =
+    tokens and normalize="none" (K itself, `test_laplacian_m_equals_t_is_full_kernel`)."""
+    for d in (16, 64):
+        q, k, _ = _inputs(30 + d, b=1, tq=48, h=1, d=d)
+        params = la.get("laplacian").init(jax.random.key(0), num_heads=1, head_dim=d)
+        cfg = dict(num_landmarks=48, eps=0.0, inverse="exact", normalize="none", local_window=0)
+        med = {
+            kernel: float(np.median(np.asarray(lap.laplacian_weights(q, k, params, kernel=kernel,
+                                                                      **cfg))))
+            for kernel in ("laplace", "gaussian")
+        }  # fmt: skip
+        print(f"d = {d}: median entry Laplace {med['laplace']:.3f}, Gaussian {med['gaussian']:.3f}")
+        assert 0.8 < med["gaussian"] / med["laplace"] < 1.25, med
+        assert all(0.05 < m < 0.2 for m in med.values()), med
+
+
+def test_kernel_option_reaches_every_entry_point():
+    """``kernel="laplace"`` is the default (bit for bit); ``"gaussian"`` changes the output
+    through the functions, `bind` and the Flax modules (linen, nnx) alike; anything else is
+    a ValueError naming ``kernel`` and the accepted values."""
+    from flax import nnx
+
+    q, k, v = _inputs(31, tq=8)
+    p = _params("laplacian")
+    cfg = dict(num_landmarks=4)
+    base = lap.laplacian_attention(q, k, v, p, **cfg)
+    assert np.array_equal(base, lap.laplacian_attention(q, k, v, p, kernel="laplace", **cfg))
+    gauss = lap.laplacian_attention(q, k, v, p, kernel="gaussian", **cfg)
+    assert float(jnp.max(jnp.abs(gauss - base))) > 1e-2
+    mech = la.get("laplacian").bind(kernel="gaussian", **cfg)
+    assert np.array_equal(mech.attention(q, k, v, p), gauss)
+    _close(mech.reference(q, k, v, p), gauss, 1e-5, "reference")
+    w = lap.laplacian_weights(q, k, p, kernel="gaussian", **cfg)
+    _close(jnp.einsum("bhij,bjhd->bihd", w, v), gauss, 1e-5, "weights @ v")
+    x = jax.random.normal(jax.random.key(0), (2, 8, 8))
+    linen_out, nnx_out = {}, {}
+    for kernel in ("laplace", "gaussian"):
+        config = {"num_landmarks": 4, "kernel": kernel}
+        layer = la.linen.MultiHeadAttention(
+            num_heads=2, attention="laplacian", attention_config=tuple(config.items())
+        )
+        variables = layer.init(jax.random.key(1), x)  # the same params for both kernels
+        linen_out[kernel] = layer.apply(variables, x)
+        module = la.nn.MultiHeadAttention(
+            2, 8, attention="laplacian", attention_config=config, rngs=nnx.Rngs(1)
+        )
+        nnx_out[kernel] = module(x)
+    for out in (linen_out, nnx_out):
+        assert float(jnp.max(jnp.abs(out["gaussian"] - out["laplace"]))) > 1e-3
+    for bad in ("Gaussian", "l2", None, 1):
+        for fn in (lap.laplacian_attention, lap.laplacian_reference, mech.attention):
+            with pytest.raises(ValueError, match=r"kernel must be one of \('laplace', 'gaussian'"):
+                fn(q, k, v, p, kernel=bad)
+        with pytest.raises(ValueError, match="kernel"):
+            lap.laplacian_weights(q, k, p, kernel=bad)
+    with pytest.raises(ValueError, match="kernel"):
+        la.linen.MultiHeadAttention(
+            num_heads=2, attention="laplacian", attention_config=(("kernel", "rbf"),)
+        ).init(jax.random.key(1), x)
 
 
 # --------------------------------------------------------------------------- injectivity

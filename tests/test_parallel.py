@@ -26,6 +26,7 @@ _CASES += [
     ("laplacian", {"num_landmarks": 3, "shared_landmarks": False, "local_window": 5}, False),
     ("laplacian", {"normalize": "row", "lam": 4.0, "local_window": 0}, False),
     ("laplacian", {"normalize": "uncentered", "num_landmarks": 3, "local_window": 0}, False),
+    ("laplacian", {"kernel": "gaussian", "num_landmarks": 3}, False),
     # LARA: split segments, a proposal network, several antithetic draws per proposal.
     (
         "lara",

@@ -1,7 +1,7 @@
 """``python -m train.bench_activations``: the attention mechanisms on the q, k, v that real
 models produce, at init and after training steps (issues 19 and 13).
 
-Three sections, each a markdown table on stdout (``--out FILE`` also writes them):
+Four sections, each a markdown table on stdout (``--out FILE`` also writes them):
 
 ``denominators`` (Flexformer, "stable features"). A model with the default ``flexformer_n``
 attention is built and trained for ``--steps`` steps on three workloads: the LRA encoder
@@ -41,6 +41,11 @@ Newton-Schulz residual ``max |P V_k - I|`` (``P = A + eps I``, valid block) afte
 30 and 60 steps, and the relative change of the attention output (valid rows) from the
 default 30 steps to 90 and from 30 steps to the exact inverse.
 
+``kernels`` (issue 37). The same models' q, k at init: the median L1 distance / d and
+squared L2 distance / d over the valid pairs, and the entry quantiles of laplacian's two
+kernels at lambda = d / 2: the Laplace ``exp(-|q - k|_1 / lambda)`` and ``kernel="gaussian"``'s
+``exp(-|q - k|_2^2 / (sqrt(pi) lambda))`` (`kernel_stats`).
+
 The mechanism internals are read through the public API only: `linattn_jax.get`, each
 mechanism's ``feature_map`` (`linattn_jax.core.FeatureMap`), `linattn_jax.landmarks` and
 `kernels`. Nothing is cached or written except ``--out``.
@@ -71,6 +76,8 @@ from train.bench_activations.denominators import (
     weight_rows,
 )
 from train.bench_activations.laplacian import (
+    kernel_stats,
+    kernels_section,
     landmark_stats,
     laplacian_model_captures,
     laplacian_section,
@@ -83,7 +90,8 @@ __all__ = [
     "FAKE_DEVICES", "MESHES", "NS_ITERS", "SECTIONS", "SEEDS", "TINY", "Capture", "capture",
     "denominator_fractions", "denominator_rows", "denominator_section", "denominators",
     "floor_stats", "weight_rows",
-    "example_inputs", "landmark_stats", "laplacian_model_captures", "laplacian_section",
+    "example_inputs", "kernel_stats", "kernels_section", "landmark_stats",
+    "laplacian_model_captures", "laplacian_section",
     "laplacian_stats", "mock_image_task", "run_steps", "soft_iteration_change", "spread",
     "stability", "stability_section", "train_and_capture", "workload_config", "workload_data",
 ]  # fmt: skip

@@ -10,7 +10,7 @@ import jax
 from train import bench_activations
 from train.bench_activations.common import FAKE_DEVICES, SECTIONS
 from train.bench_activations.denominators import denominator_section
-from train.bench_activations.laplacian import laplacian_section
+from train.bench_activations.laplacian import kernels_section, laplacian_section
 from train.bench_activations.stability import stability_section
 
 
@@ -63,8 +63,10 @@ def main(argv=None) -> str:
             parts.append(denominator_section(args.steps, args.examples, args.train_den_floor)[0])
         elif section == "stability":
             parts.append(stability_section(args.stability_steps))
-        else:
+        elif section == "laplacian":
             parts.append(laplacian_section(args.examples))
+        else:
+            parts.append(kernels_section(args.examples))
         print(parts[-1], flush=True)  # each table as soon as it is done
     parts.append(f"({time.time() - start:.0f} s on {jax.device_count()} x "
                  f"{jax.devices()[0].platform})")  # fmt: skip

@@ -14,7 +14,7 @@ from train.data.images import ImageTask
 from train.distill import capture_attention
 from train.loop import Trainer
 
-SECTIONS = ("denominators", "stability", "laplacian")
+SECTIONS = ("denominators", "stability", "laplacian", "kernels")
 TINY = 1e-3  # a denominator is tiny when |den| < TINY * median |den| of its layer
 SEEDS = (0, 1, 2)
 MESHES = ((1, 1), (8, 1), (2, 4))

@@ -20,12 +20,31 @@ from train.bench_activations.common import (
 )
 
 _LAP_WORKLOADS = (("listops", "mini"), ("vit", "mini"), ("vit", "deit_tiny"))
+#: c of laplacian's ``kernel="gaussian"``, ``exp(-|q - k|_2^2 / (c lambda))`` (its docstring).
+GAUSS_C = math.sqrt(math.pi)
 
 
 # ---------------------------------------------------------------------------- laplacian
 def _l1(x, y):
     """``sum_d |x_i - y_j|`` as ``[B, H, N, M]`` from ``[B, N, H, d]``, ``[B, M, H, d]``."""
     return jnp.sum(jnp.abs(x[:, :, None] - y[:, None, :]), axis=-1).transpose(0, 3, 1, 2)
+
+
+def _sq_l2(x, y):
+    """``sum_d (x_i - y_j)^2`` as ``[B, H, N, M]`` from ``[B, N, H, d]``, ``[B, M, H, d]``."""
+    return jnp.sum(jnp.square(x[:, :, None] - y[:, None, :]), axis=-1).transpose(0, 3, 1, 2)
+
+
+def _valid_rows(cap):
+    b, t = cap.q.shape[:2]
+    return np.ones((b, t), bool) if cap.mask is None else np.asarray(cap.mask)
+
+
+def _on_valid_pairs(cap, values):
+    """The entries of ``values [B, H, T, T]`` (one per (q_i, k_j)) on valid pairs, flat."""
+    valid = _valid_rows(cap)
+    pairs = valid[:, None, :, None] & valid[:, None, None, :]
+    return values[np.broadcast_to(pairs, values.shape)]
 
 
 def _inert(a, valid):
@@ -97,11 +116,8 @@ def laplacian_stats(captures, mech_config: dict, *, iters=NS_ITERS, landmarks=(T
     dists, cq = [], []
     lam0 = float(np.exp(np.asarray(captures[0].params["log_lam"])).mean())
     for cap in captures:
-        dist = np.asarray(_l1(cap.q, cap.k))  # [B, H, T, T]
-        b, t = cap.q.shape[:2]
-        valid = np.ones((b, t), bool) if cap.mask is None else np.asarray(cap.mask)
-        pairs = valid[:, None, :, None] & valid[:, None, None, :]
-        dists.append(dist[np.broadcast_to(pairs, dist.shape)])
+        dists.append(_on_valid_pairs(cap, np.asarray(_l1(cap.q, cap.k))))
+        valid = _valid_rows(cap)
         k_lm, lvalid = la.landmarks.landmarks(cap.k, cfg["num_landmarks"], mask=cap.mask,
                                         grid=cfg["grid"])  # fmt: skip
         c = np.asarray(jnp.exp(-_l1(cap.q, k_lm) / lam0))
@@ -148,6 +164,24 @@ def laplacian_stats(captures, mech_config: dict, *, iters=NS_ITERS, landmarks=(T
     res["ns_iters"] = cfg["ns_iters"]
     res["soft"] = soft_iteration_change(captures, cfg)
     return res
+
+
+def kernel_stats(captures):
+    """laplacian's two kernels at lambda = d / 2 (the init) on the valid (q_i, k_j) pairs of
+    `captures`: ``{"d", "median_l1_over_d", "median_l2sq_over_d", "laplace", "gaussian"}``,
+    the last two the entry quantiles (q10, q50, q90) of ``exp(-|q - k|_1 / lambda)`` and of
+    ``kernel="gaussian"``'s ``exp(-|q - k|_2^2 / (sqrt(pi) lambda))``."""
+    d = captures[0].q.shape[-1]
+    lam = d / 2
+    out = {"d": d}
+    for name, dist_fn, scale in (("laplace", _l1, lam), ("gaussian", _sq_l2, GAUSS_C * lam)):
+        dist = np.concatenate([_on_valid_pairs(c, np.asarray(dist_fn(c.q, c.k))) for c in captures])
+        out["median_l1_over_d" if name == "laplace" else "median_l2sq_over_d"] = float(
+            np.median(dist) / d
+        )
+        far, mid, near = np.quantile(dist, [0.9, 0.5, 0.1])  # large distance = small kernel
+        out[name] = tuple(math.exp(-x / scale) for x in (far, mid, near))
+    return out
 
 
 def soft_iteration_change(captures, lap_cfg):
@@ -237,3 +271,24 @@ def laplacian_section(examples: int) -> str:
         print(f"  {name}: done", flush=True)
     tail = ["", f"(default ns_iters = {r['ns_iters']}; x3 = {3 * r['ns_iters']} iterations)"]
     return "\n".join(head + cond + tail)
+
+
+def kernels_section(examples: int) -> str:
+    lines = [
+        "laplacian's two kernels on real activations at init, lambda = d/2 (entry quantiles "
+        "q10 / q50 / q90 over the valid (q_i, k_j) pairs)",
+        "",
+        "| model | d | T | median L1 / d | median L2^2 / d | Laplace exp(-L1 / lambda) | "
+        "Gaussian exp(-L2^2 / (sqrt(pi) lambda)) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for task, preset in _LAP_WORKLOADS:
+        caps, _ = laplacian_model_captures(task, preset, examples)
+        r = kernel_stats(caps)
+        quant = " | ".join(" / ".join(f"{x:.2g}" for x in r[n]) for n in ("laplace", "gaussian"))
+        lines.append(
+            f"| {task} {preset} | {r['d']} | {caps[0].q.shape[1]} | "
+            f"{r['median_l1_over_d']:.2f} | {r['median_l2sq_over_d']:.2f} | {quant} |"
+        )
+        print(f"  {task} {preset}: done", flush=True)
+    return "\n".join(lines)
