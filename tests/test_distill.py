@@ -424,6 +424,32 @@ def test_cli_refuses_bad_input_before_any_training(tmp_path, monkeypatch, capsys
     assert not (tmp_path / "workdir" / "listops_mini_softmax").exists()
 
 
+def test_restart_deletes_the_runs_under_the_workdir_never_the_teacher(tmp_path):
+    """``--restart`` (`stages._prepare`): the run files of every training run under the
+    distillation's workdir go (its other files stay); without it nothing is touched; a
+    teacher inside the workdir is refused before anything is deleted."""
+    from train.distill import stages
+
+    work, teacher = tmp_path / "distill", tmp_path / "teacher"
+    for run in (work / "stage2", work / "scratch", teacher):
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "config.json").write_text("{}")
+        (run / "summary.json").write_text("{}")
+    (work / "feature_maps.msgpack").write_bytes(b"maps")
+    (work / "no_stage1" / "checkpoints").mkdir(parents=True)  # seeded, never trained
+    assert stages._prepare(work, teacher, restart=False) == work.absolute()
+    assert (work / "stage2" / "summary.json").exists()
+    with pytest.raises(ValueError, match="teacher_workdir .* is inside workdir"):
+        stages._prepare(tmp_path, teacher, restart=True)
+    assert (teacher / "summary.json").exists() and (work / "stage2" / "checkpoints").exists()
+    stages._prepare(work, teacher, restart=True)
+    for run in ("stage2", "scratch", "no_stage1"):
+        assert not (work / run / "checkpoints").exists()
+        assert not (work / run / "summary.json").exists()
+    assert (work / "feature_maps.msgpack").exists()
+    assert (teacher / "checkpoints").exists() and (teacher / "summary.json").exists()
+
+
 def test_module_runs_as_a_script():
     import subprocess
     import sys
@@ -434,3 +460,4 @@ def test_module_runs_as_a_script():
     assert out.returncode == 0, out.stderr
     assert "python -m train.distill run --task listops" in out.stdout
     assert "--student" in out.stdout and "--stage1_steps" in out.stdout
+    assert "--restart" in out.stdout

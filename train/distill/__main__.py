@@ -33,7 +33,16 @@ def parser() -> argparse.ArgumentParser:
         __doc__,
         attention_flag="--student",
         attention_help=f"one of {distillable_names()}",
-        flags=("task", "preset", "attention", "workdir", "data_dir", "set", "no_progress"),
+        flags=(
+            "task",
+            "preset",
+            "attention",
+            "workdir",
+            "data_dir",
+            "set",
+            "no_progress",
+            "restart",
+        ),
     )
     p.add_argument("command", nargs="?", default="run", choices=("run", "transfer"))
     p.add_argument("--teacher_workdir", default=None, help="the softmax run's workdir")
@@ -61,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         stage1_lr=args.stage1_lr,
         block_size=args.block_size,
         train_teacher=args.train_teacher,
+        restart=args.restart,
     )
     if args.command == "run":
         summary = distill(

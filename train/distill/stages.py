@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from train import loop
+from train import guard, loop
 from train import metrics as metrics_lib
 from train import trainer as trainer_lib
 from train.distill.capture import capture_attention
@@ -153,6 +153,26 @@ def _log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def _prepare(workdir, teacher_workdir, restart: bool) -> Path:
+    """`workdir` made absolute and created; with `restart`, the run files of every training
+    run under it (stage 2, the baselines, transfer's fine-tunes: the subdirectories holding
+    any of `train.guard.RUN_FILES`, a seeded step-0 checkpoint included) deleted first
+    (`train.guard.restart_workdir`), never the teacher's."""
+    workdir = Path(workdir).absolute()
+    if restart and workdir.is_dir():
+        teacher = Path(teacher_workdir).absolute()
+        if teacher == workdir or workdir in teacher.parents:
+            raise ValueError(
+                f"restart would delete the teacher's run: teacher_workdir {teacher} is inside "
+                f"workdir {workdir}; give the distillation a workdir of its own"
+            )
+        for child in sorted(workdir.iterdir()):
+            if child.is_dir() and any((child / f).exists() for f in guard.RUN_FILES):
+                guard.restart_workdir(child)
+    workdir.mkdir(parents=True, exist_ok=True)
+    return workdir
+
+
 def distill(
     config,
     *,
@@ -166,6 +186,7 @@ def distill(
     stage2_lr: float | None = None,
     baselines: bool = False,
     train_teacher: bool = False,
+    restart: bool = False,
     data=None,
     log: Callable[[str], None] = _log,
 ) -> dict[str, Any]:
@@ -181,11 +202,13 @@ def distill(
     trained from scratch for ``stage1_steps + num_train_steps`` steps at
     ``config.learning_rate`` (``workdir/scratch``).
 
+    A rerun in the same `workdir` resumes its training runs, and one of another config is
+    refused (`train.guard`) unless `restart` deletes them first (`_prepare`).
+
     Writes ``workdir/feature_maps.msgpack`` (the distilled maps, for `kernel_transfer`) and
     ``workdir/distill_summary.json``; returns the summary.
     """
-    workdir = Path(workdir).absolute()
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = _prepare(workdir, teacher_workdir, restart)
     student = config.attention
     student_feature_map(student, config.attention_config)
     t_trainer, t_state = _teacher(config, teacher_workdir, train_teacher, data, log)
@@ -313,6 +336,7 @@ def kernel_transfer(
     num_eval_batches: int = 2,
     finetune: bool = False,
     train_teacher: bool = False,
+    restart: bool = False,
     data=None,
     log: Callable[[str], None] = _log,
 ) -> dict[str, Any]:
@@ -326,9 +350,9 @@ def kernel_transfer(
     fine-tuning; with `finetune`, also after ``config.num_train_steps`` steps of stage 2.
     ``drop`` = own - transferred (metric; positive = transfer loses). With `train_teacher`,
     B's teacher is trained in `teacher_workdir` first if it has no checkpoint.
+    `restart` as in `distill`.
     """
-    workdir = Path(workdir).absolute()
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = _prepare(workdir, teacher_workdir, restart)
     student = config.attention
     student_feature_map(student, config.attention_config)
     src_maps, src_info = load_feature_maps(source)  # before any training: fail fast
