@@ -75,13 +75,15 @@ def test_grads_finite_and_checkpoint(name):
     def loss(q, k, v, p):
         return jnp.sum(jnp.sin(m.attention(q, k, v, p, RNG)))
 
-    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, params)
+    # jitted, as in training: eager op-by-op dispatch compiles each primitive on its own
+    # (2-3x slower)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, params)
     for g in jax.tree_util.tree_leaves(grads):
         assert jnp.all(jnp.isfinite(g))
     trainable = set(params) - m.fixed_params()
     for key in trainable:  # every learnable param receives gradient
         assert jnp.any(grads[3][key] != 0), key
-    remat = jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3))(q, k, v, params)
+    remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3)))(q, k, v, params)
     for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(remat)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
@@ -141,16 +143,18 @@ def test_causal_chunked_equals_reference(name, t, chunk):
     def f(fn, q, k, v, p):
         return fn(q, k, v, p, RNG, mask=mask, causal=True, deterministic=True)
 
-    fast = f(lambda *a, **kw: m.attention(*a, chunk_size=chunk, **kw), q, k, v, params)
-    ref = f(m.reference, q, k, v, params)
+    # jitted, as in training: eager op-by-op dispatch compiles each primitive on its own
+    # (2-3x slower)
+    fast_fn = lambda *a, **kw: m.attention(*a, chunk_size=chunk, **kw)  # noqa: E731
+    fast = jax.jit(lambda *a: f(fast_fn, *a))(q, k, v, params)
+    ref = jax.jit(lambda *a: f(m.reference, *a))(q, k, v, params)
     np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-5)
 
     def loss(fn):
         return lambda *a: jnp.sum(jnp.sin(f(fn, *a)))
 
-    fast_fn = lambda *a, **kw: m.attention(*a, chunk_size=chunk, **kw)  # noqa: E731
-    g_fast = jax.grad(loss(fast_fn), argnums=(0, 1, 2, 3))(q, k, v, params)
-    g_ref = jax.grad(loss(m.reference), argnums=(0, 1, 2, 3))(q, k, v, params)
+    g_fast = jax.jit(jax.grad(loss(fast_fn), argnums=(0, 1, 2, 3)))(q, k, v, params)
+    g_ref = jax.jit(jax.grad(loss(m.reference), argnums=(0, 1, 2, 3)))(q, k, v, params)
     for a, b in zip(jax.tree_util.tree_leaves(g_fast), jax.tree_util.tree_leaves(g_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
 
