@@ -59,11 +59,11 @@ def test_vmap_over_leading_axis(name):
     q, k, v = qkv(b=1)
     qs, ks, vs = (jnp.stack([x, 0.5 * x, -x]) for x in (q, k, v))
     params = init(m)
-    batched = jax.vmap(lambda q, k, v: _run(m, q, k, v, params))(qs, ks, vs)
+    # jitted: one compile each instead of eager op-by-op dispatch (2-3x slower)
+    run = jax.jit(lambda q, k, v: _run(m, q, k, v, params))
+    batched = jax.jit(jax.vmap(run))(qs, ks, vs)
     for i in range(3):
-        np.testing.assert_allclose(
-            batched[i], _run(m, qs[i], ks[i], vs[i], params), rtol=1e-4, atol=1e-5
-        )
+        np.testing.assert_allclose(batched[i], run(qs[i], ks[i], vs[i]), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -122,10 +122,11 @@ def test_causal_ignores_the_future(name):
     m = mech(name, chunk_size=4) if "chunk_size" in la.get(name).defaults else mech(name)
     q, k, v = qkv(tq=11, tk=11)
     params = init(m)
-    out = _run(m, q, k, v, params, causal=True)
+    run = jax.jit(lambda q, k, v: _run(m, q, k, v, params, causal=True))  # one compile, 2 calls
+    out = run(q, k, v)
     t0 = 6  # change every key/value after position t0: outputs up to t0 must not move
     k2, v2 = k.at[:, t0 + 1 :].mul(-3.0), v.at[:, t0 + 1 :].add(5.0)
-    out2 = _run(m, q, k2, v2, params, causal=True)
+    out2 = run(q, k2, v2)
     np.testing.assert_allclose(out2[:, : t0 + 1], out[:, : t0 + 1], rtol=1e-5, atol=1e-5)
     assert not np.allclose(out2[:, t0 + 1 :], out[:, t0 + 1 :])
 
@@ -184,8 +185,10 @@ def test_large_norms_finite(name):
     q = 100.0 * q / jnp.linalg.norm(q, axis=-1, keepdims=True)
     k = 100.0 * k / jnp.linalg.norm(k, axis=-1, keepdims=True)
     params = init(m)
-    out, grads = jax.value_and_grad(
-        lambda q, k, v, p: jnp.sum(m.attention(q, k, v, p, RNG) ** 2), argnums=(0, 1, 2, 3)
+    out, grads = jax.jit(  # jitted, as in training (eager dispatch: 2-3x slower)
+        jax.value_and_grad(
+            lambda q, k, v, p: jnp.sum(m.attention(q, k, v, p, RNG) ** 2), argnums=(0, 1, 2, 3)
+        )
     )(q, k, v, params)
     assert jnp.isfinite(out)
     for g in jax.tree_util.tree_leaves(grads):
