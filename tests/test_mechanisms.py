@@ -102,8 +102,9 @@ def test_padded_keys_change_nothing(name):
         # Self-attention padding: these use the mask on the query side too (landmarks,
         # tied q/k), so pad q like k and compare the valid positions.
         qp = jnp.concatenate([q, 30.0 * jnp.ones((1, pad, 2, 8))], axis=1)
-    padded = _run(m, qp, kp, vp, params, mask=mask)[:, :10]
-    plain = _run(m, q, k, v, params)
+    # jitted: one compile each instead of eager op-by-op dispatch
+    padded = jax.jit(lambda *a: _run(m, *a, params, mask=mask))(qp, kp, vp)[:, :10]
+    plain = jax.jit(lambda *a: _run(m, *a, params))(q, k, v)
     np.testing.assert_allclose(padded, plain, rtol=1e-4, atol=1e-4)
 
 
@@ -112,7 +113,7 @@ def test_fully_masked_rows_are_zero(name):
     m = mech(name)
     q, k, v = qkv()
     mask = jnp.array([[False] * 12, [True] * 12])
-    out = _run(m, q, k, v, init(m), mask=mask, deterministic=False)
+    out = jax.jit(lambda *a: _run(m, *a, init(m), mask=mask, deterministic=False))(q, k, v)
     assert jnp.all(out[0] == 0.0)
     assert jnp.all(jnp.isfinite(out))
 
