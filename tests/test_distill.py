@@ -57,12 +57,14 @@ def test_blockwise_loss_equals_naive(name, causal):
     def blockwise(p):
         return distill.attention_kl(q, k, p, fmap, mask=mask, causal=causal, block_size=4)
 
-    (s, c), (s0, c0) = blockwise(params), _naive_loss(q, k, params, name, mask, causal)
+    # jitted: eager op-by-op dispatch compiles each primitive on its own (2-4x slower)
+    naive = jax.jit(lambda p: _naive_loss(q, k, p, name, mask, causal))
+    (s, c), (s0, c0) = jax.jit(blockwise)(params), naive(params)
     assert float(c) == float(c0)
     np.testing.assert_allclose(float(s), float(s0), rtol=1e-4)
     if name != "performer":  # gradients w.r.t. the feature-map params
-        g = jax.grad(lambda p: blockwise(p)[0])(params)
-        g0 = jax.grad(lambda p: _naive_loss(q, k, p, name, mask, causal)[0])(params)
+        g = jax.jit(jax.grad(lambda p: blockwise(p)[0]))(params)
+        g0 = jax.jit(jax.grad(lambda p: naive(p)[0]))(params)
         # float32: differently ordered sums of trig features (scale: the largest entry of
         # any param's gradient)
         scale = max(float(jnp.max(jnp.abs(y))) for y in jax.tree.leaves(g0))
@@ -106,7 +108,7 @@ def test_capture_attention_calls():
     )
     model = models.EncoderClassifier(encoder=enc, num_classes=3)
     tokens = jnp.asarray([[3, 4, 5, 0, 0, 0], [1, 2, 3, 4, 5, 6]])
-    variables = model.init({"params": jax.random.key(0)}, tokens)
+    variables = jax.jit(model.init)({"params": jax.random.key(0)}, tokens)
     calls = distill.capture_attention(model, variables, tokens, deterministic=True)
     assert [c.path for c in calls] == [("encoder", "block", "attention")] * 3
     want = jnp.concatenate([jnp.ones((2, 1), bool), tokens != 0], axis=1)
@@ -119,7 +121,7 @@ def test_capture_attention_calls():
         max_len=8, num_layers=2, emb_dim=16, num_heads=2, qkv_dim=16, mlp_dim=16
     )
     toks = jnp.ones((1, 8), jnp.int32)
-    lv = lm_model.init({"params": jax.random.key(0)}, toks)
+    lv = jax.jit(lm_model.init)({"params": jax.random.key(0)}, toks)
     calls = distill.capture_attention(lm_model, lv, toks, deterministic=True)
     assert [(c.path, c.causal, c.mask) for c in calls] == [
         (("block_0", "attention"), True, None),
@@ -134,8 +136,8 @@ def test_transplant_keeps_student_mechanism_and_fixed():
         num_classes=3, image_size=(8, 8), emb_dim=16, num_layers=1, num_heads=2, mlp_dim=16
     )
     student = teacher.clone(attention="performer", attention_config=(("num_features", 8),))
-    tv = teacher.init({"params": jax.random.key(0)}, x)
-    sv = student.init({"params": jax.random.key(1)}, x)
+    tv = jax.jit(teacher.init)({"params": jax.random.key(0)}, x)
+    sv = jax.jit(student.init)({"params": jax.random.key(1)}, x)
     merged, copied, kept = distill.transplant(tv, sv)
     assert ("fixed", "block_0", "attention", "mechanism", "features") in kept
     assert ("params", "block_0", "attention", "query", "kernel") in copied
@@ -362,7 +364,7 @@ def test_feature_map_files_check_the_student(tmp_path):
         attention="flexformer_s",
         attention_config=cfg,
     )
-    variables = model.init({"params": jax.random.key(0)}, x)
+    variables = jax.jit(model.init)({"params": jax.random.key(0)}, x)
     maps = distill.trainable_mechanism_params(variables)
     distill.save_feature_maps(tmp_path / "m.msgpack", maps, {"student": "flexformer_s"})
     loaded, info = distill.load_feature_maps(tmp_path / "m.msgpack")
@@ -373,7 +375,7 @@ def test_feature_map_files_check_the_student(tmp_path):
     state = trainer_lib.TrainState(step=0, params=variables["params"], extra={}, opt_state=None)
     distill.check_maps_fit(loaded, state, "flexformer_s")
     bigger = model.clone(attention_config=(("num_features", 16),))
-    other = bigger.init({"params": jax.random.key(0)}, x)
+    other = jax.jit(bigger.init)({"params": jax.random.key(0)}, x)
     state = trainer_lib.TrainState(step=0, params=other["params"], extra={}, opt_state=None)
     with pytest.raises(ValueError, match="shapes"):
         distill.check_maps_fit(loaded, state, "flexformer_s")

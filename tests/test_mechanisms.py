@@ -59,11 +59,11 @@ def test_vmap_over_leading_axis(name):
     q, k, v = qkv(b=1)
     qs, ks, vs = (jnp.stack([x, 0.5 * x, -x]) for x in (q, k, v))
     params = init(m)
-    batched = jax.vmap(lambda q, k, v: _run(m, q, k, v, params))(qs, ks, vs)
+    # jitted: one compile each instead of eager op-by-op dispatch (2-3x slower)
+    run = jax.jit(lambda q, k, v: _run(m, q, k, v, params))
+    batched = jax.jit(jax.vmap(run))(qs, ks, vs)
     for i in range(3):
-        np.testing.assert_allclose(
-            batched[i], _run(m, qs[i], ks[i], vs[i], params), rtol=1e-4, atol=1e-5
-        )
+        np.testing.assert_allclose(batched[i], run(qs[i], ks[i], vs[i]), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -75,13 +75,15 @@ def test_grads_finite_and_checkpoint(name):
     def loss(q, k, v, p):
         return jnp.sum(jnp.sin(m.attention(q, k, v, p, RNG)))
 
-    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, params)
+    # jitted, as in training: eager op-by-op dispatch compiles each primitive on its own
+    # (2-3x slower)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, params)
     for g in jax.tree_util.tree_leaves(grads):
         assert jnp.all(jnp.isfinite(g))
     trainable = set(params) - m.fixed_params()
     for key in trainable:  # every learnable param receives gradient
         assert jnp.any(grads[3][key] != 0), key
-    remat = jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3))(q, k, v, params)
+    remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3)))(q, k, v, params)
     for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(remat)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
@@ -100,8 +102,9 @@ def test_padded_keys_change_nothing(name):
         # Self-attention padding: these use the mask on the query side too (landmarks,
         # tied q/k), so pad q like k and compare the valid positions.
         qp = jnp.concatenate([q, 30.0 * jnp.ones((1, pad, 2, 8))], axis=1)
-    padded = _run(m, qp, kp, vp, params, mask=mask)[:, :10]
-    plain = _run(m, q, k, v, params)
+    # jitted: one compile each instead of eager op-by-op dispatch
+    padded = jax.jit(lambda *a: _run(m, *a, params, mask=mask))(qp, kp, vp)[:, :10]
+    plain = jax.jit(lambda *a: _run(m, *a, params))(q, k, v)
     np.testing.assert_allclose(padded, plain, rtol=1e-4, atol=1e-4)
 
 
@@ -110,7 +113,7 @@ def test_fully_masked_rows_are_zero(name):
     m = mech(name)
     q, k, v = qkv()
     mask = jnp.array([[False] * 12, [True] * 12])
-    out = _run(m, q, k, v, init(m), mask=mask, deterministic=False)
+    out = jax.jit(lambda *a: _run(m, *a, init(m), mask=mask, deterministic=False))(q, k, v)
     assert jnp.all(out[0] == 0.0)
     assert jnp.all(jnp.isfinite(out))
 
@@ -120,10 +123,11 @@ def test_causal_ignores_the_future(name):
     m = mech(name, chunk_size=4) if "chunk_size" in la.get(name).defaults else mech(name)
     q, k, v = qkv(tq=11, tk=11)
     params = init(m)
-    out = _run(m, q, k, v, params, causal=True)
+    run = jax.jit(lambda q, k, v: _run(m, q, k, v, params, causal=True))  # one compile, 2 calls
+    out = run(q, k, v)
     t0 = 6  # change every key/value after position t0: outputs up to t0 must not move
     k2, v2 = k.at[:, t0 + 1 :].mul(-3.0), v.at[:, t0 + 1 :].add(5.0)
-    out2 = _run(m, q, k2, v2, params, causal=True)
+    out2 = run(q, k2, v2)
     np.testing.assert_allclose(out2[:, : t0 + 1], out[:, : t0 + 1], rtol=1e-5, atol=1e-5)
     assert not np.allclose(out2[:, t0 + 1 :], out[:, t0 + 1 :])
 
@@ -141,16 +145,18 @@ def test_causal_chunked_equals_reference(name, t, chunk):
     def f(fn, q, k, v, p):
         return fn(q, k, v, p, RNG, mask=mask, causal=True, deterministic=True)
 
-    fast = f(lambda *a, **kw: m.attention(*a, chunk_size=chunk, **kw), q, k, v, params)
-    ref = f(m.reference, q, k, v, params)
+    # jitted, as in training: eager op-by-op dispatch compiles each primitive on its own
+    # (2-3x slower)
+    fast_fn = lambda *a, **kw: m.attention(*a, chunk_size=chunk, **kw)  # noqa: E731
+    fast = jax.jit(lambda *a: f(fast_fn, *a))(q, k, v, params)
+    ref = jax.jit(lambda *a: f(m.reference, *a))(q, k, v, params)
     np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-5)
 
     def loss(fn):
         return lambda *a: jnp.sum(jnp.sin(f(fn, *a)))
 
-    fast_fn = lambda *a, **kw: m.attention(*a, chunk_size=chunk, **kw)  # noqa: E731
-    g_fast = jax.grad(loss(fast_fn), argnums=(0, 1, 2, 3))(q, k, v, params)
-    g_ref = jax.grad(loss(m.reference), argnums=(0, 1, 2, 3))(q, k, v, params)
+    g_fast = jax.jit(jax.grad(loss(fast_fn), argnums=(0, 1, 2, 3)))(q, k, v, params)
+    g_ref = jax.jit(jax.grad(loss(m.reference), argnums=(0, 1, 2, 3)))(q, k, v, params)
     for a, b in zip(jax.tree_util.tree_leaves(g_fast), jax.tree_util.tree_leaves(g_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
 
@@ -180,8 +186,10 @@ def test_large_norms_finite(name):
     q = 100.0 * q / jnp.linalg.norm(q, axis=-1, keepdims=True)
     k = 100.0 * k / jnp.linalg.norm(k, axis=-1, keepdims=True)
     params = init(m)
-    out, grads = jax.value_and_grad(
-        lambda q, k, v, p: jnp.sum(m.attention(q, k, v, p, RNG) ** 2), argnums=(0, 1, 2, 3)
+    out, grads = jax.jit(  # jitted, as in training (eager dispatch: 2-3x slower)
+        jax.value_and_grad(
+            lambda q, k, v, p: jnp.sum(m.attention(q, k, v, p, RNG) ** 2), argnums=(0, 1, 2, 3)
+        )
     )(q, k, v, params)
     assert jnp.isfinite(out)
     for g in jax.tree_util.tree_leaves(grads):

@@ -64,7 +64,9 @@ def model_point(
         for i, key in enumerate(k[:2])
     )
     labels = jax.random.randint(k[3], (batch,), 0, 2)
-    variables = nn.meta.unbox(model.init({"params": k[4], "attention": k[5]}, tok1, tok2))
+    # jitted: eager init dispatches (and compiles) op by op, slower than one compile
+    init = jax.jit(model.init)
+    variables = nn.meta.unbox(init({"params": k[4], "attention": k[5]}, tok1, tok2))
     params, rest = variables["params"], {c: v for c, v in variables.items() if c != "params"}
     opt = optax.adamw(1e-4)
     opt_state = opt.init(params)

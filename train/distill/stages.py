@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from train import guard, loop
 from train import metrics as metrics_lib
@@ -104,6 +105,16 @@ def distill_attention(
     schedule = optax.cosine_decay_schedule(learning_rate, max(num_steps, 1))
     tx = optax.adam(schedule)
     opt_state = tx.init(trainable)
+    # the optimiser's step counts on the params' mesh, as `step` returns them (else the
+    # second step compiles again for the new placement)
+    named = [
+        x.sharding for x in jax.tree.leaves(trainable) if isinstance(x.sharding, NamedSharding)
+    ]
+    if named:
+        replicated = NamedSharding(named[0].mesh, PartitionSpec())
+        opt_state = jax.tree.map(
+            lambda x: jax.device_put(x, replicated) if jnp.ndim(x) == 0 else x, opt_state
+        )
 
     def loss_of(params, fixed, teacher_vars, inputs):
         # the teacher's q, k are captured inside the same jit: paths and flags are static;
