@@ -439,6 +439,8 @@ def _check_freqs(name, params, keys, h, d, extra=None):
         )
     expected = {key: w.shape for key in keys}
     expected.update(extra or {})
+    if "log_bandwidth" in params:
+        expected["log_bandwidth"] = (h, d)
     _checks.check_params(name, params, expected)
 
 
@@ -498,8 +500,6 @@ def _attention_fn(name: str, *, quadratic: bool, doc: str):
         h, d = q.shape[2], q.shape[3]
         freq_keys = ("omega",) if name == "flexformer_s" else ("omega1", "omega2")
         extra = {"log_scale" if name == "flexformer_s" else "tau": (h,)}
-        if "log_bandwidth" in params:
-            extra["log_bandwidth"] = (h, d)
         _check_freqs(name, params, freq_keys, h, d, extra)
         _check_map_config(name, qk_radius, den_floor)
         params = dict(params)
