@@ -145,7 +145,9 @@ def _no_training(monkeypatch):
     def fail(config, workdir):
         raise AssertionError(f"trained {workdir}")
 
-    monkeypatch.setattr(table.loop, "train_and_evaluate", fail)
+    from train import loop
+
+    monkeypatch.setattr(loop, "train_and_evaluate", fail)
 
 
 def test_table_claims_decide_by_interval_and_skip_unlearned_tasks(tmp_path, monkeypatch):
@@ -334,19 +336,46 @@ def test_combine():
 
 
 def test_code_version_keys_the_mechanism_and_training_sources(tmp_path):
-    for rel in ("linattn_jax/a.py", "kernels/b.py", "train/loop.py", "train/claims/c.py",
-                "train/bench/d.py"):  # fmt: skip
+    tree = {
+        "linattn_jax/__init__.py": "from linattn_jax import a, b, c, shared\n",
+        "linattn_jax/shared.py": "from . import b\n",  # a mechanism-specific table: dead end
+        "linattn_jax/a.py": "from linattn_jax import helper_a\n",
+        "linattn_jax/helper_a.py": "x = 1\n",
+        "linattn_jax/b.py": "from linattn_jax.a import f\n",  # b runs a (flexformer: performer)
+        "linattn_jax/c.py": "x = 1\n",
+        "kernels/k.py": "x = 1\n",  # reached by nothing: hashed for every run
+        "train/loop.py": "import linattn_jax\n",
+        "train/claims/c.py": "x = 1\n",
+        "train/bench/d.py": "x = 1\n",
+    }
+    for rel, text in tree.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text("x = 1\n")
-    v0 = run_cache.code_version(tmp_path)
-    (tmp_path / "train/claims/c.py").write_text("x = 2\n")  # excluded: the report's code
-    (tmp_path / "train/bench/d.py").write_text("x = 2\n")
+        (tmp_path / rel).write_text(text)
+    every = tuple(f"linattn_jax.{m}" for m in "abc")
+
+    def versions():
+        run_cache.code_version.cache_clear()
+        v = {m: run_cache.code_version(tmp_path, (f"linattn_jax.{m}",), every) for m in "abc"}
+        return {**v, "all": run_cache.code_version(tmp_path)}
+
+    assert run_cache.private_files(tmp_path, ("linattn_jax.c",), every) == {
+        "linattn_jax/a.py", "linattn_jax/helper_a.py", "linattn_jax/b.py"}  # fmt: skip
+    v0 = versions()
+    assert len(set(v0.values())) == 4
+    for rel, moved in [("train/claims/c.py", ""), ("train/bench/d.py", ""),  # the report's code
+                       ("linattn_jax/helper_a.py", "ab"), ("linattn_jax/b.py", "b"),
+                       ("linattn_jax/c.py", "c"), ("linattn_jax/shared.py", "abc"),
+                       ("kernels/k.py", "abc"), ("train/loop.py", "abc")]:  # fmt: skip
+        (tmp_path / rel).write_text((tmp_path / rel).read_text() + "y = 2\n")
+        v1 = versions()
+        assert {m for m in "abc" if v1[m] != v0[m]} == set(moved), rel
+        assert (v1["all"] != v0["all"]) == bool(moved), rel
+        v0 = v1
     run_cache.code_version.cache_clear()
-    assert run_cache.code_version(tmp_path) == v0
-    (tmp_path / "linattn_jax/a.py").write_text("x = 2\n")
-    run_cache.code_version.cache_clear()
-    assert run_cache.code_version(tmp_path) != v0
-    run_cache.code_version.cache_clear()
+    # the real registry: a run's key names its own mechanism's code
+    keys = {n: run_cache.run_key(table.task_config("listops", n, 0, quick=True))["code"]
+            for n in ("softmax", "performer", "flexformer_n", "flexformer_s")}  # fmt: skip
+    assert keys["flexformer_n"] == keys["flexformer_s"] != keys["performer"] != keys["softmax"]
 
 
 def test_run_cache_reruns_stale_runs_and_keeps_fresh_ones(tmp_path):

@@ -327,7 +327,9 @@ def _method() -> list[str]:
         "",
         f"**Run cache.** {' '.join(cache.__doc__.split(chr(10) * 2)[1].split())} Code "
         f"version: the sha256 of {', '.join(cache.CODE_DIRS)} without "
-        f"{', '.join(cache.EXCLUDED)}.",
+        f"{', '.join(cache.EXCLUDED)}; a run's key leaves out the files private to the "
+        "mechanisms it does not train (`train.claims.cache.private_files`: a change to one "
+        "mechanism reruns only its runs, a change to shared or training code reruns all).",
         "",
     ]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from train import configs, loop
+from train import configs
 from train.claims import (
     NOT_TESTABLE,
     Finding,
@@ -125,13 +125,7 @@ def lm_run(settings: Settings, arm: str, seed: int) -> dict:
     config.progress_bar = False
     if settings.quick:
         configs.apply_overrides(config, ["num_train_steps=4", "data.max_bytes=200000"])
-    run_dir = Path(settings.workdir) / "runs" / "lm" / arm / f"seed{seed}"
-    key = run_cache.run_key(config)
-    summary = run_cache.finished(run_dir, key, int(config.num_train_steps))
-    if summary is None:
-        run_cache.prepare(run_dir, key)
-        summary = loop.train_and_evaluate(config, run_dir)
-    return summary
+    return run_cache.trained(config, Path(settings.workdir) / "runs" / "lm" / arm / f"seed{seed}")
 
 
 @claim(

@@ -7,18 +7,25 @@ run whose key differs (or that has none: written before keys were kept) aside to
 resumed from its checkpoints by `train.loop.train_and_evaluate` (an interrupted claim
 loses at most the steps since the last checkpoint).
 
-The code version hashes every ``*.py`` under `CODE_DIRS` except `EXCLUDED`:
+The code version hashes the ``*.py`` under `CODE_DIRS` except `EXCLUDED`:
 ``linattn_jax/`` (the mechanisms), ``kernels/`` (their kernels) and ``train/`` (models,
 data generators, optimiser, loop, distillation); left out are ``train/claims`` (this
 package: the verdicts and the report read runs, they do not make them, so editing a rule
 must not retrain hours of runs), ``train/bench`` and ``train/bench_activations``
-(benchmarks, which no training module imports). Comments and docstrings are hashed too:
-a conservative choice (a docstring edit reruns the runs), since telling them apart from
-code would itself be code that can be wrong.
+(benchmarks, which no training module imports). A run's key hashes only the mechanisms it
+trains (`run_key`'s ``mechanisms``, default the config's ``attention``): left out are the
+files private to the other mechanisms, so a change to laplacian does not rerun softmax's
+runs. A file is private to a mechanism when it is reached by imports from the mechanism's
+module (`mechanism_modules`) and not from the shared code: everything ``train/`` imports,
+with the mechanism modules as dead ends (`private_files`; imports are read from the source
+with `ast`, and a file neither side reaches is hashed for every run). Comments and
+docstrings are hashed too: a conservative choice (a docstring edit reruns the runs), since
+telling them apart from code would itself be code that can be wrong.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import json
@@ -33,16 +40,92 @@ RUN_KEY = "run_key.json"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@functools.lru_cache(maxsize=8)
-def code_version(root: Path = ROOT) -> str:
-    """16 hex digits of the sha256 of the source files (path and bytes, in path order)."""
-    h = hashlib.sha256()
+def source_files(root: Path = ROOT) -> tuple[str, ...]:
+    """The hashed sources: ``*.py`` under `CODE_DIRS` but `EXCLUDED`, relative, sorted."""
+    out = []
     for top in CODE_DIRS:
-        for path in sorted((Path(root) / top).rglob("*.py")):
+        for path in (Path(root) / top).rglob("*.py"):
             rel = path.relative_to(root).as_posix()
-            if any(rel == e or rel.startswith(e + "/") for e in EXCLUDED):
-                continue
-            h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
+            if not any(rel == e or rel.startswith(e + "/") for e in EXCLUDED):
+                out.append(rel)
+    return tuple(sorted(out))
+
+
+def _module_file(root: Path, dotted: str) -> str | None:
+    """The source of module `dotted` (``a.b`` -> ``a/b.py`` or ``a/b/__init__.py``)."""
+    parts = dotted.split(".")
+    if parts[0] not in CODE_DIRS:
+        return None
+    base = Path(root, *parts)
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path.relative_to(root).as_posix()
+    return None
+
+
+def imported_files(root: Path, rel: str) -> set[str]:
+    """The sources under `CODE_DIRS` that file `rel` imports (its direct targets:
+    ``from a.b import c`` is ``a/b/c.py`` when c is a module, else ``a/b``'s file)."""
+    module = rel.removesuffix(".py").removesuffix("/__init__").split("/")
+    package = module if rel.endswith("__init__.py") else module[:-1]
+    names = []
+    for node in ast.walk(ast.parse((Path(root) / rel).read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            up = package[: len(package) - node.level + 1] if node.level else []
+            base = ".".join(up + (node.module.split(".") if node.module else []))
+            for a in node.names:
+                sub = _module_file(root, f"{base}.{a.name}")
+                names.append(f"{base}.{a.name}" if sub else base)
+    return {f for n in names if (f := _module_file(root, n)) is not None}
+
+
+def _reach(root: Path, start, stop=frozenset()) -> set[str]:
+    """The files reached by imports from `start`, not entering (nor counting) `stop`."""
+    seen, todo = set(), [f for f in start if f not in stop]
+    while todo:
+        f = todo.pop()
+        if f not in seen:
+            seen.add(f)
+            todo += [g for g in imported_files(root, f) if g not in stop]
+    return seen
+
+
+def private_files(root: Path, modules, every) -> set[str]:
+    """The files of the mechanism modules `every` (dotted names) that the run of `modules`
+    does not execute: reached from another mechanism's module but neither from the shared
+    code (``train/``'s imports, mechanism modules as dead ends) nor from `modules`."""
+
+    def files(names):
+        return {f for n in names if (f := _module_file(root, n)) is not None}
+
+    roots = [f for f in source_files(root) if f.startswith("train/")]
+    shared = _reach(root, roots, stop=frozenset(files(every)))
+    own = _reach(root, files(modules))
+    return _reach(root, files(every)) - shared - own
+
+
+def mechanism_modules(names=None) -> tuple[str, ...]:
+    """The modules that define the registered mechanisms `names` (default: every one)."""
+    import linattn_jax as la
+
+    return tuple(sorted({la.get(n).init_fn.__module__ for n in (names or la.names())}))
+
+
+@functools.lru_cache(maxsize=32)
+def code_version(root: Path = ROOT, modules: tuple[str, ...] | None = None, every=None) -> str:
+    """16 hex digits of the sha256 of the source files (path and bytes, in path order):
+    every one, or with `modules` (mechanism modules, dotted) those a run of them executes,
+    without the `private_files` of the other mechanism modules (`every`, default
+    `mechanism_modules()`)."""
+    files = source_files(root)
+    if modules is not None:
+        skip = private_files(root, modules, every or mechanism_modules())
+        files = [f for f in files if f not in skip]
+    h = hashlib.sha256()
+    for rel in files:
+        h.update(rel.encode() + b"\0" + (Path(root) / rel).read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 
@@ -55,10 +138,13 @@ def config_digest(config) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def run_key(config, **extra) -> dict:
+def run_key(config, mechanisms=None, **extra) -> dict:
     """``{"config": digest, "code": version, **extra}``: what a cached run must match
-    (`extra`: settings outside the config, e.g. a distillation's stage steps)."""
-    return {"config": config_digest(config), "code": code_version(), **extra}
+    (`mechanisms`: the registry names the run executes, default ``config.attention``, whose
+    code version it takes; `extra`: settings outside the config, e.g. a distillation's stage
+    steps)."""
+    modules = mechanism_modules(mechanisms or (config.attention,))
+    return {"config": config_digest(config), "code": code_version(ROOT, modules), **extra}
 
 
 def read_key(run_dir: Path) -> dict | None:
@@ -91,3 +177,17 @@ def finished(
         return None
     summary = json.loads(path.read_text())
     return summary if steps is None or summary.get("steps", steps) == steps else None
+
+
+def trained(config, run_dir: Path, log=print) -> dict:
+    """The summary of the training run of `config` in `run_dir`: re-read when finished
+    under the same key (`run_key`), else trained (`train.loop.train_and_evaluate`, which
+    resumes from the run's checkpoints when its key matched)."""
+    from train import loop
+
+    key = run_key(config)
+    summary = finished(run_dir, key, int(config.num_train_steps))
+    if summary is None:
+        prepare(run_dir, key, log=log)
+        summary = loop.train_and_evaluate(config, run_dir)
+    return summary

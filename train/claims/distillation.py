@@ -67,6 +67,12 @@ def _stage1_steps(settings: Settings) -> int:
     return 5 if settings.quick else 300
 
 
+def _distill_key(settings: Settings, config) -> dict:
+    """A student run's key: it executes its own mechanism and the softmax teacher's."""
+    mechanisms = (config.attention, teacher_config(config).attention)
+    return run_cache.run_key(config, mechanisms, stage1_steps=_stage1_steps(settings))
+
+
 def keyed_teacher(settings: Settings, task: str, config, seed: int) -> Path:
     """The teacher directory of `config` on `task`, moved aside first when it holds a
     teacher of another config or code version (`train.claims.cache.prepare`)."""
@@ -82,7 +88,7 @@ def distill_run(settings: Settings, student: str, seed: int, *, stage2: bool = T
     reused while its key (config, stage 1 steps, code version) holds."""
     workdir = _source_dir(settings, student, seed)
     config = _config(SOURCE, student, seed, settings.quick)
-    key = run_cache.run_key(config, stage1_steps=_stage1_steps(settings))
+    key = _distill_key(settings, config)
     summary = run_cache.finished(workdir, key, None, name="distill_summary.json")
     if summary is not None and ("stage2" in summary or not stage2):
         return summary
@@ -199,7 +205,7 @@ def transfer(settings: Settings) -> Finding:
             summaries[_source_dir(settings, student, seed)] = source
             workdir = _root(settings) / f"{SOURCE}_to_{TARGET}" / student / f"seed{seed}"
             config = _config(TARGET, student, seed, settings.quick)
-            key = run_cache.run_key(config, stage1_steps=_stage1_steps(settings))
+            key = _distill_key(settings, config)
             s = run_cache.finished(workdir, key, None, name="transfer_summary.json")
             if s is None:
                 run_cache.prepare(workdir, key)

@@ -42,7 +42,7 @@ import jax
 import numpy as np
 
 import linattn_jax as la
-from train import configs, loop
+from train import configs
 from train import trainer as trainer_lib
 from train.claims import (
     MIN_SEEDS,
@@ -195,14 +195,8 @@ def table_tasks(settings: Settings) -> tuple[str, ...]:
 def train_run(settings: Settings, task: str, arm: str, seed: int, log=print) -> dict:
     """The summary of one table run: re-read when finished under the same key (config and
     code version), else trained (resumed from its checkpoints when its key matches)."""
-    run_dir = _run_dir(settings, task, arm, seed)
     config = task_config(task, arm, seed, settings.quick)
-    key = run_cache.run_key(config)
-    summary = run_cache.finished(run_dir, key, int(config.num_train_steps))
-    if summary is None:
-        run_cache.prepare(run_dir, key, log=log)
-        summary = loop.train_and_evaluate(config, run_dir)
-    return summary
+    return run_cache.trained(config, _run_dir(settings, task, arm, seed), log=log)
 
 
 def run_table(settings: Settings, mechanisms=None, tasks=None, summaries=None, log=print):
