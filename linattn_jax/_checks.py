@@ -106,6 +106,12 @@ def check_float(name: str, key: str, value, ok, accepted: str) -> None:
         raise ValueError(f"{name}: {key} must be {accepted}, got {value!r}")
 
 
+def check_bool(name: str, key: str, value) -> None:
+    """`value` must be True or False (not 0 / 1 or a truthy object)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: {key} must be True or False, got {value!r}")
+
+
 def check_choice(name: str, key: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{name}: {key} must be one of {list(choices)}, got {value!r}")

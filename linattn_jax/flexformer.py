@@ -163,8 +163,7 @@ def _check_init(name, num_heads, head_dim, num_features, init_method, init_scale
 
 
 def _with_bandwidth(params, num_heads, head_dim, learn_bandwidth):
-    if not isinstance(learn_bandwidth, bool):
-        raise ValueError(f"flexformer: learn_bandwidth must be a bool, got {learn_bandwidth!r}")
+    _checks.check_bool("flexformer", "learn_bandwidth", learn_bandwidth)
     if learn_bandwidth:
         params["log_bandwidth"] = jnp.zeros((num_heads, head_dim), _f32)
     return params

@@ -189,11 +189,6 @@ def _check_lam(lam):
         raise ValueError(f"{_LAP}: lam must be None (learnable) or a float > 0, got {lam!r}")
 
 
-def _check_kernel(kernel):
-    if not (isinstance(kernel, str) and kernel in _LAP_KERNELS):
-        raise ValueError(f"{_LAP}: kernel must be one of {_LAP_KERNELS}, got {kernel!r}")
-
-
 def _check_local_window(local_window):
     ok = isinstance(local_window, int) and not isinstance(local_window, bool)
     if not (ok and (local_window == 0 or (local_window > 0 and local_window % 2 == 1))):
@@ -220,12 +215,9 @@ def _laplacian(
     )
     _check_impl(_LAP, impl)
     _check_lam(lam)
-    _check_kernel(kernel)
+    _checks.check_choice(_LAP, "kernel", kernel, _LAP_KERNELS)
     _check_local_window(local_window)
-    if not isinstance(shared_landmarks, bool):
-        raise ValueError(
-            f"{_LAP}: shared_landmarks must be True or False, got {shared_landmarks!r}"
-        )
+    _checks.check_bool(_LAP, "shared_landmarks", shared_landmarks)
     _check_grid_fits(_LAP, grid, q, k)
     h = q.shape[2]
     expected = {"local": _local_shape(local_window, grid, h)} if local_window else {}

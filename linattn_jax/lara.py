@@ -7,6 +7,7 @@ landmarks and combines them by self-normalised multiple importance sampling (MIS
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -92,22 +93,16 @@ def _check_lara(q, k, v, params, mask, causal, rng, deterministic, cfg):
     _checks.check_choice("lara", "proposal", cfg.proposal, _PROPOSALS)
     _checks.check_choice("lara", "mis", cfg.mis, _MIS)
     for key in ("antithetic", "mixed"):
-        if not isinstance(getattr(cfg, key), bool):
-            raise ValueError(f"lara: {key} must be a bool, got {getattr(cfg, key)!r}")
+        _checks.check_bool("lara", key, getattr(cfg, key))
     alpha_coeff, noise_scale, grid = cfg.alpha_coeff, cfg.noise_scale, cfg.grid
-    if isinstance(alpha_coeff, bool) or not isinstance(alpha_coeff, int | float):
-        raise ValueError(f"lara: alpha_coeff must be a float >= 0, got {alpha_coeff!r}")
-    if not alpha_coeff >= 0.0 or alpha_coeff == float("inf"):
-        raise ValueError(f"lara: alpha_coeff must be a finite float >= 0, got {alpha_coeff!r}")
-    if noise_scale is not None and (
-        isinstance(noise_scale, bool)
-        or not isinstance(noise_scale, int | float)
-        or not 0.0 < noise_scale < float("inf")
-    ):
-        raise ValueError(
-            f"lara: noise_scale must be None (d ** -0.25) or a finite float > 0, "
-            f"got {noise_scale!r}"
-        )
+    _checks.check_float(
+        "lara", "alpha_coeff", alpha_coeff, lambda a: 0.0 <= a < math.inf, "a finite float >= 0"
+    )
+    if noise_scale is not None:
+        _checks.check_float(
+            "lara", "noise_scale", noise_scale, lambda s: 0.0 < s < math.inf,
+            "None (d ** -0.25) or a finite float > 0",
+        )  # fmt: skip
     if grid is not None:
         if (
             not isinstance(grid, tuple)

@@ -373,7 +373,7 @@ def test_kernel_option_reaches_every_entry_point():
         assert float(jnp.max(jnp.abs(out["gaussian"] - out["laplace"]))) > 1e-3
     for bad in ("Gaussian", "l2", None, 1):
         for fn in (lap.laplacian_attention, lap.laplacian_reference, mech.attention):
-            with pytest.raises(ValueError, match=r"kernel must be one of \('laplace', 'gaussian'"):
+            with pytest.raises(ValueError, match=r"kernel must be one of \['laplace', 'gaussian'"):
                 fn(q, k, v, p, kernel=bad)
         with pytest.raises(ValueError, match="kernel"):
             lap.laplacian_weights(q, k, p, kernel=bad)
