@@ -449,3 +449,40 @@ def test_rfa_bias_falls_with_features_and_ra_is_the_unbiased_control():
     assert rms[32] < rms[8] < rms[2], rms  # the O(1/M) bias of the ratio estimator
     assert found.data["ra"][0] < 4.5  # RA's mean is within noise of softmax attention
     assert found.verdict in (claims.REPRODUCED, claims.PARTLY, claims.NOT_REPRODUCED)
+
+
+def test_runs_queue_lists_states_and_trains_only_unfinished_runs(tmp_path, monkeypatch):
+    import subprocess
+
+    from train.claims import runs
+
+    g = runs.groups(2)
+    assert len(g["table"]) == len(table.TASKS) * len(table.MECHANISMS) * 2
+    assert [str(r) for r in g["table"][:3]] == ["listops:softmax:0", "listops:softmax:1",
+                                                "listops:performer:0"]  # fmt: skip
+    assert runs.expand(["lm:rfa:1", "lm", "lm:rfa:1"], 2).count(runs.Run("lm", "rfa", 1)) == 1
+    for bad in ("listops:nope:0", "lm:lara:0", "listops:softmax", "listops:softmax:-1"):
+        with pytest.raises(ValueError, match=f"run '{bad}'"):
+            runs.parse(bad)
+    settings = claims.Settings(quick=True, workdir=tmp_path)
+    _fake_runs(tmp_path, {("listops", "softmax", 0): 0.4})
+    config, path = runs.config_and_dir(settings, runs.Run("listops", "rfa", 0))
+    run_cache.prepare(path, run_cache.run_key(config), log=lambda *_: None)  # started
+    config, path = runs.config_and_dir(settings, runs.Run("listops", "performer", 0))
+    run_cache.prepare(path, {"config": "another"}, log=lambda *_: None)  # stale
+    items = ["listops:softmax:0", "listops:rfa:0", "listops:performer:0", "lm:softmax:0"]
+    commands = []
+
+    def fake_run(cmd, check):
+        commands.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(runs.subprocess, "run", fake_run)
+    common = ["--quick", "--workdir", str(tmp_path)]
+    assert runs.main(["--list", *common, *items]) == dict(
+        zip(items, ("finished", "started", "stale", "pending"), strict=True))  # fmt: skip
+    assert commands == []
+    assert runs.main(["--jobs", "2", *common, *items]) == dict.fromkeys(items, "finished")
+    assert sorted(c[c.index("--one") + 1] for c in commands) == sorted(items[1:])
+    assert all(c[1:3] == ["-m", "train.claims.runs"] and c[-3:] == ["--workdir", str(tmp_path),
+               "--quick"] for c in commands)  # fmt: skip

@@ -117,15 +117,24 @@ LM_ARMS = ("softmax", "flexformer_s", "flexformer_n", "performer", "rfa", "hedge
 LM_RUN_SECONDS = 600.0
 
 
-def lm_run(settings: Settings, arm: str, seed: int) -> dict:
-    """One cached byte-LM mini run (`train.configs.lm`, the stdlib corpus, offline)."""
+def lm_config(arm: str, seed: int, quick: bool = False):
+    """The config of a byte-LM mini run (`train.configs.lm`, the stdlib corpus, offline)."""
     config = configs.get_config("lm", "mini")
     configs.set_attention(config, arm)
     config.seed = seed
     config.progress_bar = False
-    if settings.quick:
+    if quick:
         configs.apply_overrides(config, ["num_train_steps=4", "data.max_bytes=200000"])
-    return run_cache.trained(config, Path(settings.workdir) / "runs" / "lm" / arm / f"seed{seed}")
+    return config
+
+
+def lm_dir(settings: Settings, arm: str, seed: int) -> Path:
+    return Path(settings.workdir) / "runs" / "lm" / arm / f"seed{seed}"
+
+
+def lm_run(settings: Settings, arm: str, seed: int) -> dict:
+    """One cached byte-LM mini run (`lm_config`)."""
+    return run_cache.trained(lm_config(arm, seed, settings.quick), lm_dir(settings, arm, seed))
 
 
 @claim(
@@ -152,7 +161,7 @@ def flexformer_lm(settings: Settings) -> Finding:
         loss[arm] = []
         for seed in range(settings.seeds):
             s = lm_run(settings, arm, seed)
-            summaries[Path(settings.workdir) / "runs" / "lm" / arm / f"seed{seed}"] = s
+            summaries[lm_dir(settings, arm, seed)] = s
             loss[arm].append(float(s["test"]["loss"]))
     per, parts = {}, []
     for flex in ("flexformer_s", "flexformer_n"):

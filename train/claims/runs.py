@@ -1,0 +1,177 @@
+"""``python -m train.claims.runs``: the training claims' runs, listed or trained N at a time.
+
+python -m train.claims.runs --list table lm          # each run's state, the compute left
+python -m train.claims.runs --jobs 2 table           # train what is not finished, 2 at a time
+python -m train.claims.runs --jobs 2 lm listops:softmax:0 pathfinder:lara:3
+
+A run is ``task:arm:seed`` (task ``listops`` / ``pathfinder``: a run of the equal-budget
+table, `train.claims.table.train_run`; ``lm``: a byte-LM run of ``flexformer.lm``,
+`train.claims.ablations.lm_run`) or a group: ``table`` (every mechanism of the table on
+both tasks), ``ablations`` (the extra arms of the mechanism claims: laplacian_gaussian on
+both tasks, LARA's ablation arms on ListOps) and ``lm``. A group is ordered for partial
+progress: per task softmax's seeds first (the claims train no other arm on a task softmax
+does not learn; this queue does, so run softmax first and check it), then seed by seed over
+the arms. The runs are the claims' own (same config, directory and key), so `python -m
+train.claims` reads them afterwards without training; the distillation claims' runs are
+not covered (their claims train them).
+
+Each pending run is trained in a subprocess (``--one``), so that ``--jobs 2`` keeps two
+processes busy on a 2-core machine. States (``--list``): finished (a summary under the
+current key), started (the current key, no summary: resumed from its checkpoints),
+stale (another key: moved aside and retrained), pending (no directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+from train.claims import MIN_SEEDS, Settings, ablations, table
+from train.claims import cache as run_cache
+
+STATES = ("finished", "started", "stale", "pending")
+
+
+class Run(NamedTuple):
+    task: str
+    arm: str
+    seed: int
+
+    def __str__(self) -> str:
+        return f"{self.task}:{self.arm}:{self.seed}"
+
+
+def _grid(task: str, arms, seeds: int) -> list[Run]:
+    first = [Run(task, "softmax", s) for s in range(seeds)] if "softmax" in arms else []
+    rest = [Run(task, a, s) for s in range(seeds) for a in arms if a != "softmax"]
+    return first + rest
+
+
+def groups(seeds: int = MIN_SEEDS) -> dict[str, list[Run]]:
+    lara_arms = ("lara_c16_s1", "lara_c1_s16", "lara_bh", "lara_mixed")
+    return {
+        "table": [r for t in table.TASKS for r in _grid(t, table.MECHANISMS, seeds)],
+        "ablations": [r for t in table.TASKS for r in _grid(t, ("laplacian_gaussian",), seeds)]
+        + [r for t in ablations.ABLATION_TASKS for r in _grid(t, lara_arms, seeds)],
+        "lm": _grid("lm", ablations.LM_ARMS, seeds),
+    }
+
+
+def parse(item: str) -> Run:
+    """``task:arm:seed`` -> `Run`; ValueError naming the item when it is not one."""
+    parts = item.split(":")
+    arms = table.ARMS if parts[0] in table.TASKS else ablations.LM_ARMS
+    if (
+        len(parts) != 3
+        or parts[0] not in (*table.TASKS, "lm")
+        or parts[1] not in arms
+        or not parts[2].isdigit()
+    ):
+        raise ValueError(
+            f"run {item!r}: expected task:arm:seed with task in {[*table.TASKS, 'lm']}, an arm "
+            f"of that task ({sorted(table.ARMS)} for the table's tasks, {list(ablations.LM_ARMS)} "
+            f"for lm) and a seed >= 0, or a group {list(groups(1))}"
+        )
+    return Run(parts[0], parts[1], int(parts[2]))
+
+
+def expand(names, seeds: int = MIN_SEEDS) -> list[Run]:
+    """Groups and items -> runs, in order, each once."""
+    g = groups(seeds)
+    out: list[Run] = []
+    for name in names:
+        for run in g[name] if name in g else [parse(name)]:
+            if run not in out:
+                out.append(run)
+    return out
+
+
+def config_and_dir(settings: Settings, run: Run):
+    if run.task == "lm":
+        return (ablations.lm_config(run.arm, run.seed, settings.quick),
+                ablations.lm_dir(settings, run.arm, run.seed))  # fmt: skip
+    return (table.task_config(run.task, run.arm, run.seed, settings.quick),
+            table._run_dir(settings, run.task, run.arm, run.seed))  # fmt: skip
+
+
+def state(settings: Settings, run: Run) -> str:
+    """One of `STATES`."""
+    config, path = config_and_dir(settings, run)
+    key = run_cache.run_key(config)
+    if run_cache.finished(path, key, int(config.num_train_steps)) is not None:
+        return "finished"
+    if not path.exists():
+        return "pending"
+    return "started" if run_cache.read_key(path) == key else "stale"
+
+
+def estimate_seconds(run: Run) -> float:
+    """The estimated wall time of `run` (`table.RUN_SECONDS`, `ablations.LM_RUN_SECONDS`)."""
+    return ablations.LM_RUN_SECONDS if run.task == "lm" else table.RUN_SECONDS[run.task]
+
+
+def train(settings: Settings, run: Run) -> dict:
+    """Trains (or re-reads) `run` in this process, exactly as its claim does."""
+    if run.task == "lm":
+        return ablations.lm_run(settings, run.arm, run.seed)
+    return table.train_run(settings, run.task, run.arm, run.seed)
+
+
+def _spawn(run: Run, settings: Settings) -> int:
+    cmd = [sys.executable, "-m", "train.claims.runs", "--one", str(run)]
+    cmd += ["--workdir", str(settings.workdir)] + (["--quick"] if settings.quick else [])
+    return subprocess.run(cmd, check=False).returncode
+
+
+def main(argv=None) -> dict[str, str]:
+    p = argparse.ArgumentParser(prog="python -m train.claims.runs", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("runs", nargs="*", help="groups (table, ablations, lm) or task:arm:seed")
+    p.add_argument("--list", action="store_true", help="print each run's state and exit")
+    p.add_argument("--jobs", type=int, default=2, help="runs trained at once (default 2)")
+    p.add_argument("--seeds", type=int, default=MIN_SEEDS, help="seeds of a group")
+    p.add_argument("--workdir", default="workdir/claims")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    settings = Settings(seeds=args.seeds, quick=args.quick, workdir=Path(args.workdir))
+    if args.one is not None:
+        summary = train(settings, parse(args.one))
+        print(f"{args.one}: test {summary['test']}", flush=True)
+        return {args.one: "finished"}
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
+    if not args.runs:
+        p.error("give runs: a group (table, ablations, lm) or task:arm:seed")
+    try:
+        runs = expand(args.runs, args.seeds)
+    except ValueError as e:
+        p.error(str(e))
+    states = {r: state(settings, r) for r in runs}
+    left = [r for r in runs if states[r] != "finished"]
+    hours = sum(estimate_seconds(r) for r in left) / 3600
+    counts = ", ".join(f"{s} {sum(v == s for v in states.values())}" for s in STATES)
+    print(f"{len(runs)} runs: {counts}; left about {hours:.1f} h of runs "
+          f"({hours / args.jobs:.1f} h at {args.jobs} at a time)", flush=True)  # fmt: skip
+    if args.list:
+        for r in runs:
+            print(f"  {r!s:40s} {states[r]}")
+        return {str(r): s for r, s in states.items()}
+    done = {str(r): "finished" for r in runs if states[r] == "finished"}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        t0 = time.perf_counter()
+        futures = {pool.submit(_spawn, r, settings): r for r in left}
+        for f in concurrent.futures.as_completed(futures):
+            r, rc = futures[f], f.result()
+            done[str(r)] = "finished" if rc == 0 else f"failed (exit {rc})"
+            print(f"[runs] {r}: {done[str(r)]} ({time.perf_counter() - t0:.0f} s in)", flush=True)
+    return done
+
+
+if __name__ == "__main__":
+    main()
