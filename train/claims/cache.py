@@ -18,7 +18,10 @@ files private to the other mechanisms, so a change to laplacian does not rerun s
 runs. A file is private to a mechanism when it is reached by imports from the mechanism's
 module (`mechanism_modules`) and not from the shared code: everything ``train/`` imports,
 with the mechanism modules as dead ends (`private_files`; imports are read from the source
-with `ast`, and a file neither side reaches is hashed for every run). Comments and
+with `ast`: static imports only, and the library imports none of its own modules
+dynamically; a file neither side reaches is hashed for every run). This rests on the
+shared code calling a mechanism's module only for that mechanism (`linattn_jax.parallel`'s
+and the modules' per-mechanism paths, e.g. ra's flax attention). Comments and
 docstrings are hashed too: a conservative choice (a docstring edit reruns the runs), since
 telling them apart from code would itself be code that can be wrong.
 """
