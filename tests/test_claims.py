@@ -451,7 +451,7 @@ def test_rfa_bias_falls_with_features_and_ra_is_the_unbiased_control():
     assert found.verdict in (claims.REPRODUCED, claims.PARTLY, claims.NOT_REPRODUCED)
 
 
-def test_runs_queue_lists_states_and_trains_only_unfinished_runs(tmp_path, monkeypatch):
+def test_runs_queue_lists_states_and_trains_only_unfinished_runs(tmp_path, monkeypatch, capsys):
     import subprocess
 
     from train.claims import runs
@@ -482,6 +482,8 @@ def test_runs_queue_lists_states_and_trains_only_unfinished_runs(tmp_path, monke
     assert runs.main(["--list", *common, *items]) == dict(
         zip(items, ("finished", "started", "stale", "pending"), strict=True))  # fmt: skip
     assert commands == []
+    assert "listops:softmax:0                        finished test accuracy 0.4000" in (
+        capsys.readouterr().out)  # fmt: skip
     assert runs.main(["--jobs", "2", *common, *items]) == dict.fromkeys(items, "finished")
     assert sorted(c[c.index("--one") + 1] for c in commands) == sorted(items[1:])
     assert all(c[1:3] == ["-m", "train.claims.runs"] and c[-3:] == ["--workdir", str(tmp_path),
