@@ -134,7 +134,7 @@ def _fake_runs(root, accs, quick=True):
     settings = claims.Settings(quick=quick, workdir=root)
     for (task, name, seed), acc in accs.items():
         config = table.task_config(task, name, seed, quick)
-        run = table._run_dir(settings, task, name, seed)
+        run = table.table_dir(settings, task, name, seed)
         run_cache.prepare(run, run_cache.run_key(config), log=lambda *_: None)
         summary = {"steps": int(config.num_train_steps), "test": {"accuracy": acc},
                    "wall_seconds": 600.0}  # fmt: skip
@@ -274,7 +274,7 @@ def test_frequency_growth_reads_the_trained_frequencies(tmp_path):
     assert table.frequency_growth(settings, "listops") is None
     config = table.task_config("listops", "flexformer_n", 0, quick=True)
     config.learning_rate = 0.1  # 4 steps (in warm-up) that move the frequencies a little
-    loop.train_and_evaluate(config, table._run_dir(settings, "listops", "flexformer_n", 0))
+    loop.train_and_evaluate(config, table.table_dir(settings, "listops", "flexformer_n", 0))
     growth = table.frequency_growth(settings, "listops")
     assert 0.5 < growth < 2.0 and abs(growth - 1.0) > 1e-5, growth  # measured 0.99983
 

@@ -96,7 +96,7 @@ def config_and_dir(settings: Settings, run: Run):
         return (ablations.lm_config(run.arm, run.seed, settings.quick),
                 ablations.lm_dir(settings, run.arm, run.seed))  # fmt: skip
     return (table.task_config(run.task, run.arm, run.seed, settings.quick),
-            table._run_dir(settings, run.task, run.arm, run.seed))  # fmt: skip
+            table.table_dir(settings, run.task, run.arm, run.seed))  # fmt: skip
 
 
 def state(settings: Settings, run: Run) -> str:

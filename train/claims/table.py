@@ -196,7 +196,7 @@ def train_run(settings: Settings, task: str, arm: str, seed: int, log=print) -> 
     """The summary of one table run: re-read when finished under the same key (config and
     code version), else trained (resumed from its checkpoints when its key matches)."""
     config = task_config(task, arm, seed, settings.quick)
-    return run_cache.trained(config, _run_dir(settings, task, arm, seed), log=log)
+    return run_cache.trained(config, table_dir(settings, task, arm, seed), log=log)
 
 
 def run_table(settings: Settings, mechanisms=None, tasks=None, summaries=None, log=print):
@@ -220,7 +220,7 @@ def run_table(settings: Settings, mechanisms=None, tasks=None, summaries=None, l
                 else:
                     summary = train_run(settings, task, name, seed, log=log)
                 if summaries is not None:
-                    summaries[_run_dir(settings, task, name, seed)] = summary
+                    summaries[table_dir(settings, task, name, seed)] = summary
                 accs.append(float(summary["test"]["accuracy"]))
             if accs:
                 out[task][name] = accs
@@ -233,11 +233,12 @@ def _softmax_ok(row: dict, task: str) -> bool:
 
 def _read_finished(settings, task, arm, seed) -> dict | None:
     config = task_config(task, arm, seed, settings.quick)
-    run_dir = _run_dir(settings, task, arm, seed)
+    run_dir = table_dir(settings, task, arm, seed)
     return run_cache.finished(run_dir, run_cache.run_key(config), int(config.num_train_steps))
 
 
-def _run_dir(settings: Settings, task: str, name: str, seed: int) -> Path:
+def table_dir(settings: Settings, task: str, name: str, seed: int) -> Path:
+    """The directory of a table run (`train_run`) under the claims workdir."""
     return Path(settings.workdir) / "runs" / task / name / f"seed{seed}"
 
 
@@ -434,7 +435,7 @@ def frequency_growth(settings: Settings, task: str, name="flexformer_n", seed=0)
     config = task_config(task, name, seed, settings.quick)
     try:
         trainer, state, _ = trainer_lib.restore_run(
-            config, _run_dir(settings, task, name, seed), prefer="latest"
+            config, table_dir(settings, task, name, seed), prefer="latest"
         )
     except FileNotFoundError:
         return None
