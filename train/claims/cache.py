@@ -182,15 +182,20 @@ def finished(
     return summary if steps is None or summary.get("steps", steps) == steps else None
 
 
+def finished_run(config, run_dir: Path) -> dict | None:
+    """The summary of the training run of `config` in `run_dir` when it finished its
+    ``num_train_steps`` under the current key (`run_key`), else None."""
+    return finished(run_dir, run_key(config), int(config.num_train_steps))
+
+
 def trained(config, run_dir: Path, log=print) -> dict:
     """The summary of the training run of `config` in `run_dir`: re-read when finished
     under the same key (`run_key`), else trained (`train.loop.train_and_evaluate`, which
     resumes from the run's checkpoints when its key matched)."""
     from train import loop
 
-    key = run_key(config)
-    summary = finished(run_dir, key, int(config.num_train_steps))
+    summary = finished_run(config, run_dir)
     if summary is None:
-        prepare(run_dir, key, log=log)
+        prepare(run_dir, run_key(config), log=log)
         summary = loop.train_and_evaluate(config, run_dir)
     return summary

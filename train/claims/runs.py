@@ -99,15 +99,15 @@ def config_and_dir(settings: Settings, run: Run):
             table.table_dir(settings, run.task, run.arm, run.seed))  # fmt: skip
 
 
-def state(settings: Settings, run: Run) -> str:
-    """One of `STATES`."""
+def state(settings: Settings, run: Run) -> tuple[str, dict | None]:
+    """One of `STATES`, and the summary of a finished run (else None)."""
     config, path = config_and_dir(settings, run)
-    key = run_cache.run_key(config)
-    if run_cache.finished(path, key, int(config.num_train_steps)) is not None:
-        return "finished"
+    summary = run_cache.finished_run(config, path)
+    if summary is not None:
+        return "finished", summary
     if not path.exists():
-        return "pending"
-    return "started" if run_cache.read_key(path) == key else "stale"
+        return "pending", None
+    return ("started" if run_cache.read_key(path) == run_cache.run_key(config) else "stale"), None
 
 
 def estimate_seconds(run: Run) -> float:
@@ -122,12 +122,13 @@ def train(settings: Settings, run: Run) -> dict:
     return table.train_run(settings, run.task, run.arm, run.seed)
 
 
-def _result(settings: Settings, run: Run) -> str:
-    """`` test accuracy 0.512`` (the table's tasks) or `` test loss 1.867`` (lm)."""
-    config, path = config_and_dir(settings, run)
-    test = run_cache.finished(path, run_cache.run_key(config), None)["test"]
+def _result(run: Run, summary: dict | None) -> str:
+    """`` test accuracy 0.512`` (the table's tasks) or `` test loss 1.867`` (lm) of a
+    finished run's summary; '' for None."""
+    if summary is None:
+        return ""
     name = "loss" if run.task == "lm" else "accuracy"
-    return f" test {name} {float(test[name]):.4f}"
+    return f" test {name} {float(summary['test'][name]):.4f}"
 
 
 def _spawn(run: Run, settings: Settings) -> int:
@@ -160,7 +161,9 @@ def main(argv=None) -> dict[str, str]:
         runs = expand(args.runs, args.seeds)
     except ValueError as e:
         p.error(str(e))
-    states = {r: state(settings, r) for r in runs}
+    states, summaries = {}, {}
+    for r in runs:
+        states[r], summaries[r] = state(settings, r)
     left = [r for r in runs if states[r] != "finished"]
     hours = sum(estimate_seconds(r) for r in left) / 3600
     counts = ", ".join(f"{s} {sum(v == s for v in states.values())}" for s in STATES)
@@ -168,8 +171,7 @@ def main(argv=None) -> dict[str, str]:
           f"({hours / args.jobs:.1f} h at {args.jobs} at a time)", flush=True)  # fmt: skip
     if args.list:
         for r in runs:
-            result = _result(settings, r) if states[r] == "finished" else ""
-            print(f"  {r!s:40s} {states[r]}{result}")
+            print(f"  {r!s:40s} {states[r]}{_result(r, summaries[r])}")
         return {str(r): s for r, s in states.items()}
     done = {str(r): "finished" for r in runs if states[r] == "finished"}
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:

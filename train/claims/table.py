@@ -233,8 +233,7 @@ def _softmax_ok(row: dict, task: str) -> bool:
 
 def _read_finished(settings, task, arm, seed) -> dict | None:
     config = task_config(task, arm, seed, settings.quick)
-    run_dir = table_dir(settings, task, arm, seed)
-    return run_cache.finished(run_dir, run_cache.run_key(config), int(config.num_train_steps))
+    return run_cache.finished_run(config, table_dir(settings, task, arm, seed))
 
 
 def table_dir(settings: Settings, task: str, name: str, seed: int) -> Path:
