@@ -116,10 +116,9 @@ def estimate_seconds(run: Run) -> float:
 
 
 def train(settings: Settings, run: Run) -> dict:
-    """Trains (or re-reads) `run` in this process, exactly as its claim does."""
-    if run.task == "lm":
-        return ablations.lm_run(settings, run.arm, run.seed)
-    return table.train_run(settings, run.task, run.arm, run.seed)
+    """Trains (or re-reads) `run` in this process, exactly as its claim does (`table.train_run`,
+    `ablations.lm_run`: the same config and directory)."""
+    return run_cache.trained(*config_and_dir(settings, run))
 
 
 def _result(run: Run, summary: dict | None) -> str:
