@@ -27,9 +27,9 @@ def toy_claim(monkeypatch):
 
     registry = {**claims.all_claims()}
     monkeypatch.setattr(claims, "CLAIMS", registry)
-    claims.claim(
-        "toy.claim", paper="RA / LARA", statement="A toy.", experiment="None.", rule="R."
-    )(fn)
+    claims.claim("toy.claim", paper="RA / LARA", statement="A toy.", experiment="None.", rule="R.")(
+        fn
+    )
     return calls
 
 
@@ -121,6 +121,12 @@ def test_table_config_applies_the_budget_and_the_power_settings():
     p = table.task_config("pathfinder", "lara_mixed", 0)
     assert (p.data.num_train, p.num_train_steps) == (100_000, 5000)
     assert p.attention == "lara" and p.attention_config.mixed is True
+    # issue 35's variants: one option each, top-level (the lr multiplier) or the mechanism's
+    lr10, raw = (table.task_config("listops", f"flexformer_n_{v}", 0) for v in ("lr10", "raw"))
+    assert (lr10.attention, lr10.mechanism_lr_mult, lr10.attention_config.num_features) == (
+        "flexformer_n", 10.0, 32)  # fmt: skip
+    assert raw.mechanism_lr_mult == 1.0 and raw.attention_config.qk_radius is None
+    assert table.budget(table.task_config("listops", "flexformer_n_f128", 0)) == "128 features"
     # the attention budget beside each row: lara's proposals capped at Pathfinder's 36 tokens
     assert table.budget(table.task_config("pathfinder", "lara", 0)) == "36 proposals x 1 sample(s)"
     assert table.budget(table.task_config("listops", "performer", 0)) == "64 features"
@@ -488,3 +494,25 @@ def test_runs_queue_lists_states_and_trains_only_unfinished_runs(tmp_path, monke
     assert sorted(c[c.index("--one") + 1] for c in commands) == sorted(items[1:])
     assert all(c[1:3] == ["-m", "train.claims.runs"] and c[-3:] == ["--workdir", str(tmp_path),
                "--quick"] for c in commands)  # fmt: skip
+
+
+def test_runs_summary_reads_means_intervals_and_diagnostics():
+    from train.claims import runs
+
+    assert {r.arm for r in runs.groups(1)["flexformer"]} == {
+        "flexformer_n", *table.FLEXFORMER_VARIANTS}  # fmt: skip
+    summ = {
+        runs.Run("listops", "flexformer_n", 0): {"test": {"accuracy": 0.20}},
+        runs.Run("listops", "flexformer_n", 1): {"test": {"accuracy": 0.24}},
+        runs.Run("listops", "flexformer_n_lr10", 0): {
+            "test": {"accuracy": 0.30}, "kernel": {"end": {"kernel/scale_ratio": 1.1}}},
+        runs.Run("listops", "flexformer_n_lr10", 1): {
+            "test": {"accuracy": 0.34}, "kernel": {"end": {"kernel/scale_ratio": 1.3}}},
+        runs.Run("lm", "softmax", 0): {"test": {"bits_per_byte": 2.5}},
+    }  # fmt: skip
+    lines = runs.summary_lines([*summ, runs.Run("listops", "softmax", 0)], summ)
+    assert len(lines) == 3 and lines[0].startswith("listops    flexformer_n ")
+    assert "n=2 accuracy 22.00 +- 2.83 (0: 20.00, 1: 24.00)" in lines[0]
+    d, lo, hi = (100 * x for x in stats.interval([0.30, 0.34], [0.20, 0.24], "welch"))
+    assert f"- flexformer_n {d:+.2f} [{lo:+.2f}, {hi:+.2f}]; end scale_ratio 1.2" in lines[1]
+    assert lines[2].endswith("n=1 bits_per_byte 2.500 (0: 2.500)")

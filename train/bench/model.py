@@ -38,8 +38,10 @@ def model_point(
     repeats: int = 3,
     min_total_s: float = 2.0,
     memory_budget_gib: float | None = None,
+    attention_config: dict | None = None,
 ) -> dict:
-    """Compiles and times one AdamW training step of the dual encoder with mechanism `name`."""
+    """Compiles and times one AdamW training step of the dual encoder with mechanism `name`
+    (`attention_config`: its options, e.g. ``{"num_features": 32}``; default its own)."""
     encoder = Encoder(
         vocab_size=VOCAB,
         max_len=seq_len,
@@ -49,6 +51,7 @@ def model_point(
         qkv_dim=dim,
         mlp_dim=mlp,
         attention=name,
+        attention_config=tuple((attention_config or {}).items()),
         pooling="mean",
     )
     model = DualEncoderClassifier(encoder=encoder, num_classes=2)

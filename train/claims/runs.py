@@ -3,12 +3,15 @@
 python -m train.claims.runs --list table lm          # each run's state, the compute left
 python -m train.claims.runs --jobs 2 table           # train what is not finished, 2 at a time
 python -m train.claims.runs --jobs 2 lm listops:softmax:0 pathfinder:lara:3
+python -m train.claims.runs --seeds 3 --summary flexformer   # means, intervals, diagnostics
 
 A run is ``task:arm:seed`` (task ``listops`` / ``pathfinder``: a run of the equal-budget
 table, `train.claims.table.train_run`; ``lm``: a byte-LM run of ``flexformer.lm``,
 `train.claims.ablations.lm_run`) or a group: ``table`` (every mechanism of the table on
 both tasks), ``ablations`` (the extra arms of the mechanism claims: laplacian_gaussian on
-both tasks, LARA's ablation arms on ListOps) and ``lm``. A group is ordered for partial
+both tasks, LARA's ablation arms on ListOps), ``lm`` and ``flexformer`` (issue 35's
+ablation: flexformer_n and its variants `table.FLEXFORMER_VARIANTS` on both tasks; the
+issue asks for 3 seeds, ``--seeds 3``). A group is ordered for partial
 progress: per task softmax's seeds first (the claims train no other arm on a task softmax
 does not learn; this queue does, so run softmax first and check it), then seed by seed over
 the arms. The runs are the claims' own (same config, directory and key), so `python -m
@@ -19,11 +22,17 @@ Each pending run is trained in a subprocess (``--one``), so that ``--jobs 2`` ke
 processes busy on a 2-core machine. States (``--list``): finished (a summary under the
 current key), started (the current key, no summary: resumed from its checkpoints),
 stale (another key: moved aside and retrained), pending (no directory).
+
+``--summary`` prints, per task and arm, the finished runs' test result (accuracy, or bits
+per byte for lm) as mean +- sample std with the seeds' values, the 95% Welch interval of
+the difference to a reference arm (an ablation arm's own mechanism, else softmax) and the
+mean of the kernel diagnostics' end values (`kernel/...`) where the runs log them.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import subprocess
 import sys
@@ -31,8 +40,11 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
+
 from train.claims import MIN_SEEDS, Settings, ablations, table
 from train.claims import cache as run_cache
+from train.claims.stats import interval
 
 STATES = ("finished", "started", "stale", "pending")
 
@@ -59,6 +71,11 @@ def groups(seeds: int = MIN_SEEDS) -> dict[str, list[Run]]:
         "ablations": [r for t in table.TASKS for r in _grid(t, ("laplacian_gaussian",), seeds)]
         + [r for t in ablations.ABLATION_TASKS for r in _grid(t, lara_arms, seeds)],
         "lm": _grid("lm", ablations.LM_ARMS, seeds),
+        "flexformer": [
+            r
+            for t in table.TASKS
+            for r in _grid(t, ("flexformer_n", *table.FLEXFORMER_VARIANTS), seeds)
+        ],
     }
 
 
@@ -130,6 +147,53 @@ def _result(run: Run, summary: dict | None) -> str:
     return f" test {name} {float(summary['test'][name]):.4f}"
 
 
+def _metric(task: str) -> str:
+    return "bits_per_byte" if task == "lm" else "accuracy"
+
+
+def _reference(task: str, arm: str) -> str:
+    """The arm `arm` is compared with: an ablation arm's own mechanism, else softmax."""
+    if task != "lm" and table.ARMS[arm][0] != arm:
+        return table.ARMS[arm][0]
+    return "softmax"
+
+
+def summary_lines(runs, summaries: dict) -> list[str]:
+    """`--summary`'s lines: per (task, arm) of `runs` with finished `summaries`, the test
+    result as mean +- sample std (and the seeds' values), the 95% Welch interval of the
+    difference to `_reference` (when both have >= 2 seeds) and the mean end values of the
+    kernel diagnostics."""
+    values, kernel = collections.defaultdict(dict), collections.defaultdict(list)
+    for r in runs:
+        s = summaries.get(r)
+        if s is not None:
+            values[r.task, r.arm][r.seed] = float(s["test"][_metric(r.task)])
+            if s.get("kernel"):
+                kernel[r.task, r.arm].append(s["kernel"]["end"])
+    lines = []
+    for (task, arm), by_seed in values.items():
+        v = [by_seed[k] for k in sorted(by_seed)]
+        scale, n = (1.0, 3) if task == "lm" else (100.0, 2)  # accuracies in %
+        std = f" +- {scale * np.std(v, ddof=1):.{n}f}" if len(v) > 1 else ""
+        seeds = ", ".join(f"{k}: {scale * by_seed[k]:.{n}f}" for k in sorted(by_seed))
+        mean = f"{_metric(task)} {scale * np.mean(v):.{n}f}{std} ({seeds})"
+        line = f"{task:10s} {arm:24s} n={len(v)} {mean}"
+        ref = values.get((task, _reference(task, arm)))
+        if ref is not None and arm != _reference(task, arm) and len(v) > 1 and len(ref) > 1:
+            d, lo, hi = (scale * x for x in interval(v, list(ref.values()), "welch"))
+            line += f"; - {_reference(task, arm)} {d:+.{n}f} [{lo:+.{n}f}, {hi:+.{n}f}]"
+        if kernel[task, arm]:
+            ends = {
+                k: np.mean([e[k] for e in kernel[task, arm] if k in e])
+                for k in kernel[task, arm][0]
+            }
+            line += "; end " + ", ".join(
+                f"{k.split('/')[-1]} {x:.4g}" for k, x in sorted(ends.items())
+            )
+        lines.append(line)
+    return lines
+
+
 def _spawn(run: Run, settings: Settings) -> int:
     cmd = [sys.executable, "-m", "train.claims.runs", "--one", str(run)]
     cmd += ["--workdir", str(settings.workdir)] + (["--quick"] if settings.quick else [])
@@ -141,6 +205,8 @@ def main(argv=None) -> dict[str, str]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("runs", nargs="*", help="groups (table, ablations, lm) or task:arm:seed")
     p.add_argument("--list", action="store_true", help="print each run's state and exit")
+    p.add_argument("--summary", action="store_true",
+                   help="print the finished runs' results per task and arm, and exit")  # fmt: skip
     p.add_argument("--jobs", type=int, default=2, help="runs trained at once (default 2)")
     p.add_argument("--seeds", type=int, default=MIN_SEEDS, help="seeds of a group")
     p.add_argument("--workdir", default="workdir/claims")
@@ -171,6 +237,9 @@ def main(argv=None) -> dict[str, str]:
     if args.list:
         for r in runs:
             print(f"  {r!s:40s} {states[r]}{_result(r, summaries[r])}")
+        return {str(r): s for r, s in states.items()}
+    if args.summary:
+        print("\n".join(summary_lines(runs, summaries)))
         return {str(r): s for r, s in states.items()}
     done = {str(r): "finished" for r in runs if states[r] == "finished"}
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:

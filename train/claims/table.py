@@ -22,10 +22,11 @@ each linear baseline by a 95% interval wholly > 0):
   seed stays below 70% the task's other arms are not trained (`run_table`) and its
   comparisons are not testable here.
 
-Compute, from the v1 runs' wall times on this 2-core CPU (docs/claims/
-table.equal_budget.json, 3 seeds, runs two at a time): a ListOps run took 520 s on
-average (99-1253 s), a Pathfinder run at 2000 steps 570 s (84-960 s), so about 1400 s at
-5000 steps. `compute_hours` turns that into estimates per claim.
+Compute, from this table's own runs at 561e076 (wall seconds in their summary.json, runs two
+at a time on this 2-core CPU): a ListOps run took 296 s on average (193-376 s, 13 runs), a
+Pathfinder run 744 s (521-862 s, 3 runs: softmax, nystromformer, flexformer_n), so
+`RUN_SECONDS` counts 300 s and 800 s. `compute_hours` turns that into estimates per claim
+(hours of runs; two at a time take half the wall time).
 
 Each (task, arm, seed) run lives in ``<workdir>/runs/<task>/<arm>/seed<s>`` and is keyed
 by its full config and the code version (`train.claims.cache`): a finished run with the
@@ -72,19 +73,42 @@ MECHANISMS = (
     "ra",
 )
 LINEAR = ("performer", "rfa", "hedgehog")
-#: arm -> (mechanism, attention_config changes): the table's mechanisms at their mini
-#: settings, and the ablations of the mechanism claims (one option changed each).
+#: arm -> (mechanism, config changes): the table's mechanisms at their mini settings, and
+#: the ablations of the mechanism claims and of issue 35 (one option changed each; keys are
+#: config paths, e.g. ``attention_config.kernel``).
 ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     **{m: (m, {}) for m in MECHANISMS},
     # LaplacianFormer: the same construction with a Gaussian kernel (needs the
     # mechanism option `kernel`; see laplacian_beats_soft)
-    "laplacian_gaussian": ("laplacian", {"kernel": "gaussian"}),
+    "laplacian_gaussian": ("laplacian", {"attention_config.kernel": "gaussian"}),
     # LARA: 16 proposals x 1 sample against 1 proposal x 16 samples (16 terms each)
-    "lara_c16_s1": ("lara", {"num_landmarks": 16, "num_samples": 1}),
-    "lara_c1_s16": ("lara", {"num_landmarks": 1, "num_samples": 16}),
-    "lara_bh": ("lara", {"mis": "bh"}),  # coupled weights: the balance heuristic alone
-    "lara_mixed": ("lara", {"mixed": True}),  # the official "-mixed" proposals
+    "lara_c16_s1": (
+        "lara",
+        {"attention_config.num_landmarks": 16, "attention_config.num_samples": 1},
+    ),
+    "lara_c1_s16": (
+        "lara",
+        {"attention_config.num_landmarks": 1, "attention_config.num_samples": 16},
+    ),
+    "lara_bh": ("lara", {"attention_config.mis": "bh"}),  # coupled weights: balance heuristic
+    "lara_mixed": ("lara", {"attention_config.mixed": True}),  # the official "-mixed" proposals
+    # issue 35: flexformer_n's kernel variants on the table's tasks (docs/flexformer.md)
+    **{
+        f"flexformer_n_{name}": ("flexformer_n", change)
+        for name, change in {
+            "lr10": {"mechanism_lr_mult": 10.0},
+            "f64": {"attention_config.num_features": 64},
+            "f128": {"attention_config.num_features": 128},
+            "f256": {"attention_config.num_features": 256},
+            "orthogonal": {"attention_config.init_method": "orthogonal"},
+            "init1.5": {"attention_config.init_scale": 1.5},
+            "bandwidth": {"attention_config.learn_bandwidth": True},
+            "raw": {"attention_config.qk_radius": None},
+        }.items()
+    },
 }
+#: issue 35's flexformer_n variants (arms of `ARMS`), each against flexformer_n
+FLEXFORMER_VARIANTS = tuple(a for a in ARMS if a.startswith("flexformer_n_"))
 #: task -> (preset, config changes); the budget is the same for every arm.
 TASKS: dict[str, tuple[str, dict[str, Any]]] = {
     "listops": (
@@ -108,8 +132,8 @@ TASKS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
-#: wall seconds of one run per task at `TASKS` (v1 means, scaled by steps; see above)
-RUN_SECONDS = {"listops": 520.0, "pathfinder": 1400.0}
+#: wall seconds of one run per task at `TASKS` (measured means, rounded up; see above)
+RUN_SECONDS = {"listops": 300.0, "pathfinder": 800.0}
 #: softmax's test accuracy every seed must reach for the task to count as learned
 LEARNED = {"listops": 0.25, "pathfinder": 0.70}
 QUICK = {"num_train_steps": 4, "data.num_train": 64, "data.num_val": 32, "data.num_test": 32}
@@ -141,10 +165,8 @@ def task_config(task: str, arm: str, seed: int, quick: bool = False):
     mechanism, options = ARMS[arm]
     config = configs.get_config(task, preset)
     configs.set_attention(config, mechanism)
-    for key, value in {**changes, **(QUICK if quick else {}), "seed": seed}.items():
+    for key, value in {**changes, **options, **(QUICK if quick else {}), "seed": seed}.items():
         _set(config, key, value)
-    for key, value in options.items():
-        _set(config, f"attention_config.{key}", value)
     config.progress_bar = False
     return config
 
@@ -309,7 +331,7 @@ def markdown_table(table: dict, budgets: dict[str, dict[str, str]] | None = None
     "interval wholly > 0): reproduced when on every task, partly when on some, not testable "
     "here when on none. The comparisons skip a task softmax does not learn.",
     kind="train",
-    compute=f"about {compute_hours(len(MECHANISMS)):.0f} h of runs (11 mechanisms x 5 seeds: "
+    compute=f"about {compute_hours(len(MECHANISMS)):.1f} h of runs (11 mechanisms x 5 seeds: "
     f"{compute_hours(len(MECHANISMS), ('listops',)):.1f} h ListOps, "
     f"{compute_hours(len(MECHANISMS), ('pathfinder',)):.1f} h Pathfinder), run two at a time",
 )
@@ -470,7 +492,7 @@ def gaussian_option() -> str:
     + BEATS.text("laplacian", "laplacian_gaussian")
     + " Combined over tasks: all reproduced -> reproduced, some -> partly.",
     kind="train",
-    compute=f"about {compute_hours(1):.0f} h (the Gaussian arm; laplacian is in the table)",
+    compute=f"about {compute_hours(1):.1f} h (the Gaussian arm; laplacian is in the table)",
 )
 def laplacian_beats_soft(settings: Settings) -> Finding:
     missing = gaussian_option()
