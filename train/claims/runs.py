@@ -25,7 +25,8 @@ stale (another key: moved aside and retrained), pending (no directory).
 
 ``--summary`` prints, per task and arm, the finished runs' test result (accuracy, or bits
 per byte for lm) as mean +- sample std with the seeds' values, the 95% Welch interval of
-the difference to a reference arm (an ablation arm's own mechanism, else softmax) and the
+the difference to a reference arm (``--against``; default an ablation arm's own mechanism,
+else softmax) and the
 mean of the kernel diagnostics' end values (`kernel/...`) where the runs log them.
 """
 
@@ -151,14 +152,17 @@ def _metric(task: str) -> str:
     return "bits_per_byte" if task == "lm" else "accuracy"
 
 
-def _reference(task: str, arm: str) -> str:
-    """The arm `arm` is compared with: an ablation arm's own mechanism, else softmax."""
+def _reference(task: str, arm: str, against: str | None = None) -> str:
+    """The arm `arm` is compared with: `against` when given, else an ablation arm's own
+    mechanism, else softmax."""
+    if against is not None:
+        return against
     if task != "lm" and table.ARMS[arm][0] != arm:
         return table.ARMS[arm][0]
     return "softmax"
 
 
-def summary_lines(runs, summaries: dict) -> list[str]:
+def summary_lines(runs, summaries: dict, against: str | None = None) -> list[str]:
     """`--summary`'s lines: per (task, arm) of `runs` with finished `summaries`, the test
     result as mean +- sample std (and the seeds' values), the 95% Welch interval of the
     difference to `_reference` (when both have >= 2 seeds) and the mean end values of the
@@ -178,10 +182,11 @@ def summary_lines(runs, summaries: dict) -> list[str]:
         seeds = ", ".join(f"{k}: {scale * by_seed[k]:.{n}f}" for k in sorted(by_seed))
         mean = f"{_metric(task)} {scale * np.mean(v):.{n}f}{std} ({seeds})"
         line = f"{task:10s} {arm:24s} n={len(v)} {mean}"
-        ref = values.get((task, _reference(task, arm)))
-        if ref is not None and arm != _reference(task, arm) and len(v) > 1 and len(ref) > 1:
+        other = _reference(task, arm, against)
+        ref = values.get((task, other))
+        if ref is not None and arm != other and len(v) > 1 and len(ref) > 1:
             d, lo, hi = (scale * x for x in interval(v, list(ref.values()), "welch"))
-            line += f"; - {_reference(task, arm)} {d:+.{n}f} [{lo:+.{n}f}, {hi:+.{n}f}]"
+            line += f"; - {other} {d:+.{n}f} [{lo:+.{n}f}, {hi:+.{n}f}]"
         if kernel[task, arm]:
             ends = {
                 k: np.mean([e[k] for e in kernel[task, arm] if k in e])
@@ -207,6 +212,9 @@ def main(argv=None) -> dict[str, str]:
     p.add_argument("--list", action="store_true", help="print each run's state and exit")
     p.add_argument("--summary", action="store_true",
                    help="print the finished runs' results per task and arm, and exit")  # fmt: skip
+    p.add_argument("--against", default=None,
+                   help="--summary: compare every arm with this one (default: an ablation "
+                   "arm's mechanism, else softmax)")  # fmt: skip
     p.add_argument("--jobs", type=int, default=2, help="runs trained at once (default 2)")
     p.add_argument("--seeds", type=int, default=MIN_SEEDS, help="seeds of a group")
     p.add_argument("--workdir", default="workdir/claims")
@@ -239,7 +247,7 @@ def main(argv=None) -> dict[str, str]:
             print(f"  {r!s:40s} {states[r]}{_result(r, summaries[r])}")
         return {str(r): s for r, s in states.items()}
     if args.summary:
-        print("\n".join(summary_lines(runs, summaries)))
+        print("\n".join(summary_lines(runs, summaries, args.against)))
         return {str(r): s for r, s in states.items()}
     done = {str(r): "finished" for r in runs if states[r] == "finished"}
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
