@@ -516,3 +516,5 @@ def test_runs_summary_reads_means_intervals_and_diagnostics():
     d, lo, hi = (100 * x for x in stats.interval([0.30, 0.34], [0.20, 0.24], "welch"))
     assert f"- flexformer_n {d:+.2f} [{lo:+.2f}, {hi:+.2f}]; end scale_ratio 1.2" in lines[1]
     assert lines[2].endswith("n=1 bits_per_byte 2.500 (0: 2.500)")
+    flipped = runs.summary_lines(list(summ), summ, against="flexformer_n_lr10")
+    assert f"- flexformer_n_lr10 {-d:+.2f} [{-hi:+.2f}, {-lo:+.2f}]" in flipped[0]
