@@ -86,9 +86,10 @@ def test_cli_list_and_report_only(tmp_path, capsys, toy_claim):
     report = tmp_path / "claims.md"
     claims_cli.main(["--report-only", "--findings", str(tmp_path), "--out", str(report)])
     assert report.read_text().startswith("# The seeds' claims")
-    # --quick keeps its findings under the workdir, never in the tracked docs/claims
-    claims_cli.main(["--only", "toy.claim", "--quick", "--workdir", str(tmp_path), "--out", ""])
+    # --quick keeps its findings and its report under the workdir, never in the tracked docs
+    claims_cli.main(["--only", "toy.claim", "--quick", "--workdir", str(tmp_path)])
     assert (tmp_path / "quick_findings" / "toy.claim.json").exists() and len(toy_claim) == 1
+    assert (tmp_path / "quick_claims.md").read_text().startswith("# The seeds' claims")
     assert toy_claim[0].findings == tmp_path / "quick_findings"
     assert toy_claim[0].seeds == claims.MIN_SEEDS == 5  # the power settings are the default
     assert claims_cli.main(["--only", "toy.claim", "--findings", str(tmp_path), "--out", ""])
@@ -488,7 +489,7 @@ def test_runs_queue_lists_states_and_trains_only_unfinished_runs(tmp_path, monke
     assert runs.main(["--list", *common, *items]) == dict(
         zip(items, ("finished", "started", "stale", "pending"), strict=True))  # fmt: skip
     assert commands == []
-    assert "listops:softmax:0                        finished test accuracy 0.4000" in (
+    assert "listops:softmax:0                        finished accuracy 0.4000" in (
         capsys.readouterr().out)  # fmt: skip
     assert runs.main(["--jobs", "2", *common, *items]) == dict.fromkeys(items, "finished")
     assert sorted(c[c.index("--one") + 1] for c in commands) == sorted(items[1:])
@@ -518,3 +519,39 @@ def test_runs_summary_reads_means_intervals_and_diagnostics():
     assert lines[2].endswith("n=1 bits_per_byte 2.500 (0: 2.500)")
     flipped = runs.summary_lines(list(summ), summ, against="flexformer_n_lr10")
     assert f"- flexformer_n_lr10 {-d:+.2f} [{-hi:+.2f}, {-lo:+.2f}]" in flipped[0]
+
+
+def test_runs_queue_orders_distillation_runs_after_their_teachers(tmp_path, monkeypatch):
+    import subprocess
+
+    from train.claims import distillation, runs
+
+    g = runs.groups(1)
+    assert [str(r) for r in g["transfer"]] == [
+        "distill:teacher:0", "transfer:teacher:0", "transfer:flexformer_n:0", "transfer:hedgehog:0"
+    ]  # fmt: skip
+    assert [runs.phase(runs.parse(x)) for x in ("distill:teacher:0", "listops:rfa:0",
+            "distill:rfa:0", "transfer:hedgehog:0")] == [0, 0, 1, 2]  # fmt: skip
+    settings = claims.Settings(quick=True, workdir=tmp_path)
+    # a distillation without its stage 2 (a transfer's stage 1) is not finished; with it, it is
+    key, path, name = distillation.queued_run(settings, "distill", "rfa", 0)
+    run_cache.prepare(path, key, log=lambda *_: None)
+    (path / name).write_text(json.dumps({"recovery": 0.9}))
+    assert runs.state(settings, runs.Run("distill", "rfa", 0)) == ("started", None)
+    done = {"recovery": 0.9, "stage2": {"test": {"accuracy": 0.375}}}
+    (path / name).write_text(json.dumps(done))
+    assert runs.state(settings, runs.Run("distill", "rfa", 0)) == ("finished", done)
+    assert runs.result(runs.Run("distill", "rfa", 0), done) == ("accuracy", 0.375)
+    assert runs.result(runs.Run("transfer", "hedgehog", 0), {"drop": 0.05}) == ("drop", 0.05)
+    monkeypatch.setattr(distillation, "train_queued", lambda *a: {"drop": 0.05})  # --one's line
+    assert runs.main(["--one", "transfer:hedgehog:0"]) == {"transfer:hedgehog:0": "finished"}
+    started = []
+
+    def fake_run(cmd, check):
+        started.append(cmd[cmd.index("--one") + 1])
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(runs.subprocess, "run", fake_run)
+    items = ["transfer:flexformer_n:0", "distill:performer:0", "distill:teacher:0", "distill:rfa:0"]
+    runs.main(["--jobs", "2", "--quick", "--workdir", str(tmp_path), *items])
+    assert started[0] == "distill:teacher:0" and started[-1] == "transfer:flexformer_n:0"

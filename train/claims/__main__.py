@@ -40,7 +40,12 @@ def main(argv=None) -> dict:
         help="the findings, <key>.json each (default docs/claims; with --quick "
         "<workdir>/quick_findings, so tiny runs never replace the kept ones)",
     )
-    p.add_argument("--out", default="docs/claims.md", help="the report ('' = do not write)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="the report ('' = do not write; default docs/claims.md, with --quick "
+        "<workdir>/quick_claims.md, so a tiny run never replaces the kept report)",
+    )
     p.add_argument("--rerun", action="store_true", help="ignore cached findings")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--list", action="store_true", help="list the claims and exit")
@@ -77,10 +82,13 @@ def main(argv=None) -> dict:
         return {}
     records = {} if args.report_only else claims.run(chosen, settings, rerun=args.rerun)
     text = claims.report(settings)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-        print(f"wrote {args.out}")
+    out = args.out
+    if out is None:
+        out = Path(args.workdir) / "quick_claims.md" if args.quick else "docs/claims.md"
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+        print(f"wrote {out}")
     return records
 
 

@@ -73,36 +73,118 @@ def _distill_key(settings: Settings, config) -> dict:
     return run_cache.run_key(config, mechanisms, stage1_steps=_stage1_steps(settings))
 
 
-def keyed_teacher(settings: Settings, task: str, config, seed: int) -> Path:
-    """The teacher directory of `config` on `task`, moved aside first when it holds a
-    teacher of another config or code version (`train.claims.cache.prepare`)."""
-    path = _teacher_dir(settings, task, seed)
-    key = run_cache.run_key(teacher_config(config))
-    if run_cache.read_key(path) != key:
-        run_cache.prepare(path, key)
-    return path
+def teacher_run(settings: Settings, task: str, seed: int) -> dict:
+    """The softmax teacher of `task` (mini) for `seed`, shared by that seed's students:
+    trained to its last step (resumed from its checkpoints after an interruption) and
+    cached by its key (`train.claims.cache.trained`)."""
+    config = teacher_config(_config(task, "softmax", seed, settings.quick))
+    return run_cache.trained(config, _teacher_dir(settings, task, seed))
+
+
+def _teacher_key(settings: Settings, task: str, seed: int) -> dict:
+    return run_cache.run_key(teacher_config(_config(task, "softmax", seed, settings.quick)))
 
 
 def distill_run(settings: Settings, student: str, seed: int, *, stage2: bool = True) -> dict:
-    """One distillation of the listops mini teacher (trained once per seed) into `student`,
-    reused while its key (config, stage 1 steps, code version) holds."""
+    """One distillation of the listops mini teacher (`teacher_run`) into `student`, reused
+    while its key (config, stage 1 steps, code version) holds."""
     workdir = _source_dir(settings, student, seed)
     config = _config(SOURCE, student, seed, settings.quick)
     key = _distill_key(settings, config)
     summary = run_cache.finished(workdir, key, None, name="distill_summary.json")
     if summary is not None and ("stage2" in summary or not stage2):
         return summary
+    teacher_run(settings, SOURCE, seed)
     if summary is None:
         run_cache.prepare(workdir, key)
     return stages.distill(
         config,
-        teacher_workdir=keyed_teacher(settings, SOURCE, config, seed),
+        teacher_workdir=_teacher_dir(settings, SOURCE, seed),
         workdir=workdir,
         stage1_steps=_stage1_steps(settings),
         stage2=stage2,
-        train_teacher=True,
         log=lambda *_: None,
     )
+
+
+def _transfer_dir(settings: Settings, student: str, seed: int) -> Path:
+    return _root(settings) / f"{SOURCE}_to_{TARGET}" / student / f"seed{seed}"
+
+
+def transfer_run(settings: Settings, student: str, seed: int) -> dict:
+    """One kernel transfer: `student`'s stage 1 maps on the source task (`distill_run`,
+    stage 1 only when not done) into the target task's student, against the target's
+    teacher (`teacher_run`); reused while its key holds."""
+    source = distill_run(settings, student, seed, stage2=False)
+    workdir = _transfer_dir(settings, student, seed)
+    config = _config(TARGET, student, seed, settings.quick)
+    key = _distill_key(settings, config)
+    s = run_cache.finished(workdir, key, None, name="transfer_summary.json")
+    if s is None:
+        teacher_run(settings, TARGET, seed)
+        run_cache.prepare(workdir, key)
+        s = stages.kernel_transfer(
+            config,
+            teacher_workdir=_teacher_dir(settings, TARGET, seed),
+            source=_source_dir(settings, student, seed) / "feature_maps.msgpack",
+            workdir=workdir,
+            stage1_steps=_stage1_steps(settings),
+            log=lambda *_: None,
+        )
+    return {"source": source, "transfer": s}
+
+
+#: the queue's distillation runs (`train.claims.runs`): kind -> (task of its teacher, arms);
+#: the arm "teacher" is that task's softmax teacher
+QUEUE = {"distill": (SOURCE, (*STUDENTS, "teacher")), "transfer": (TARGET, (*TRANSFER, "teacher"))}
+#: wall seconds of a teacher, a distillation (stage 1 + 2) or a transfer, from v1 (5-9 min
+#: each, two at a time)
+RUN_SECONDS = 420.0
+
+
+def queued_run(settings: Settings, kind: str, arm: str, seed: int) -> tuple[dict, Path, str]:
+    """``(key, directory, summary file name)`` of a queued run (`QUEUE`)."""
+    task = QUEUE[kind][0]
+    if arm == "teacher":
+        return (
+            _teacher_key(settings, task, seed),
+            _teacher_dir(settings, task, seed),
+            "summary.json",
+        )
+    config = _config(task, arm, seed, settings.quick)
+    if kind == "distill":
+        path, name = _source_dir(settings, arm, seed), "distill_summary.json"
+    else:
+        path, name = _transfer_dir(settings, arm, seed), "transfer_summary.json"
+    return _distill_key(settings, config), path, name
+
+
+def finished_queued(settings: Settings, kind: str, arm: str, seed: int) -> dict | None:
+    """The summary of a finished queued run (a distillation's with its stage 2), else None."""
+    key, path, name = queued_run(settings, kind, arm, seed)
+    summary = run_cache.finished(path, key, None, name=name)
+    if summary is not None and kind == "distill" and arm != "teacher" and "stage2" not in summary:
+        return None
+    return summary
+
+
+def train_queued(settings: Settings, kind: str, arm: str, seed: int) -> dict:
+    """Trains (or re-reads) a queued run as its claim does."""
+    if arm == "teacher":
+        return teacher_run(settings, QUEUE[kind][0], seed)
+    if kind == "distill":
+        return distill_run(settings, arm, seed)
+    return transfer_run(settings, arm, seed)["transfer"]
+
+
+def queued_result(kind: str, arm: str, summary: dict) -> tuple[str, float]:
+    """``(name, value)`` a finished queued run reports: a teacher's and a student's test
+    accuracy (after stage 2), a transfer's accuracy drop (own - transferred maps)."""
+    if arm == "teacher":
+        return "accuracy", float(summary["test"]["accuracy"])
+    if kind == "distill":
+        return "accuracy", float(summary["stage2"]["test"]["accuracy"])
+    return "drop", float(summary.get("drop", 0.0))
 
 
 #: recovery (student / teacher validation accuracy) counted as "almost complete"
@@ -201,24 +283,10 @@ def transfer(settings: Settings) -> Finding:
     for student in TRANSFER:
         c, d = [], []
         for seed in range(settings.seeds):
-            source = distill_run(settings, student, seed, stage2=False)
-            summaries[_source_dir(settings, student, seed)] = source
-            workdir = _root(settings) / f"{SOURCE}_to_{TARGET}" / student / f"seed{seed}"
-            config = _config(TARGET, student, seed, settings.quick)
-            key = _distill_key(settings, config)
-            s = run_cache.finished(workdir, key, None, name="transfer_summary.json")
-            if s is None:
-                run_cache.prepare(workdir, key)
-                s = stages.kernel_transfer(
-                    config,
-                    teacher_workdir=keyed_teacher(settings, TARGET, config, seed),
-                    source=_source_dir(settings, student, seed) / "feature_maps.msgpack",
-                    workdir=workdir,
-                    stage1_steps=_stage1_steps(settings),
-                    train_teacher=True,
-                    log=lambda *_: None,
-                )
-            summaries[workdir] = s
+            run = transfer_run(settings, student, seed)
+            s = run["transfer"]
+            summaries[_source_dir(settings, student, seed)] = run["source"]
+            summaries[_transfer_dir(settings, student, seed)] = s
             kl = {k: s[k]["attention_kl"] for k in ("init", "own", "transferred")}
             c.append((kl["init"] - kl["transferred"]) / max(kl["init"] - kl["own"], 1e-12))
             d.append(float(s.get("drop", 0.0)))

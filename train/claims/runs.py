@@ -7,27 +7,30 @@ python -m train.claims.runs --seeds 3 --summary flexformer   # means, intervals,
 
 A run is ``task:arm:seed`` (task ``listops`` / ``pathfinder``: a run of the equal-budget
 table, `train.claims.table.train_run`; ``lm``: a byte-LM run of ``flexformer.lm``,
-`train.claims.ablations.lm_run`) or a group: ``table`` (every mechanism of the table on
-both tasks), ``ablations`` (the extra arms of the mechanism claims: laplacian_gaussian on
-both tasks, LARA's ablation arms on ListOps), ``lm`` and ``flexformer`` (issue 35's
-ablation: flexformer_n and its variants `table.FLEXFORMER_VARIANTS` on both tasks; the
-issue asks for 3 seeds, ``--seeds 3``). A group is ordered for partial
-progress: per task softmax's seeds first (the claims train no other arm on a task softmax
-does not learn; this queue does, so run softmax first and check it), then seed by seed over
-the arms. The runs are the claims' own (same config, directory and key), so `python -m
-train.claims` reads them afterwards without training; the distillation claims' runs are
-not covered (their claims train them).
+`train.claims.ablations.lm_run`; ``distill`` / ``transfer``: a run of
+``flexformer.distillation`` / ``flexformer.transfer``, `train.claims.distillation`, whose
+arm ``teacher`` is the softmax teacher of that seed) or a group: ``table`` (every mechanism
+of the table on both tasks), ``ablations`` (the extra arms of the mechanism claims:
+laplacian_gaussian on both tasks, LARA's ablation arms on ListOps), ``lm``, ``flexformer``
+(issue 35's ablation: flexformer_n and its variants `table.FLEXFORMER_VARIANTS` on both
+tasks; the issue asks for 3 seeds, ``--seeds 3``), ``distill`` and ``transfer`` (their
+teachers first). A group is ordered for partial progress: per task softmax's seeds first
+(the claims train no other arm on a task softmax does not learn; this queue does, so run
+softmax first and check it), then seed by seed over the arms. The runs are the claims'
+own (same config, directory and key), so `python -m train.claims` reads them afterwards
+without training.
 
 Each pending run is trained in a subprocess (``--one``), so that ``--jobs 2`` keeps two
-processes busy on a 2-core machine. States (``--list``): finished (a summary under the
+processes busy on a 2-core machine; runs that read others' results wait for them (`phase`:
+teachers, then distillations, then transfers). States (``--list``): finished (a summary under the
 current key), started (the current key, no summary: resumed from its checkpoints),
 stale (another key: moved aside and retrained), pending (no directory).
 
-``--summary`` prints, per task and arm, the finished runs' test result (accuracy, or bits
-per byte for lm) as mean +- sample std with the seeds' values, the 95% Welch interval of
-the difference to a reference arm (``--against``; default an ablation arm's own mechanism,
-else softmax) and the
-mean of the kernel diagnostics' end values (`kernel/...`) where the runs log them.
+``--summary`` prints, per task and arm, the finished runs' result (`result`: test
+accuracy, bits per byte for lm, the accuracy drop of a transfer) as mean +- sample std with
+the seeds' values, the 95% Welch interval of the difference to a reference arm
+(``--against``; default an ablation arm's own mechanism, else softmax) and the mean of the
+kernel diagnostics' end values (`kernel/...`) where the runs log them.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from train.claims import MIN_SEEDS, Settings, ablations, table
+from train.claims import MIN_SEEDS, Settings, ablations, distillation, table
 from train.claims import cache as run_cache
 from train.claims.stats import interval
 
@@ -59,10 +62,24 @@ class Run(NamedTuple):
         return f"{self.task}:{self.arm}:{self.seed}"
 
 
-def _grid(task: str, arms, seeds: int) -> list[Run]:
-    first = [Run(task, "softmax", s) for s in range(seeds)] if "softmax" in arms else []
-    rest = [Run(task, a, s) for s in range(seeds) for a in arms if a != "softmax"]
+def _grid(task: str, arms, seeds: int, lead: str = "softmax") -> list[Run]:
+    """`lead`'s seeds first (when among `arms`), then seed by seed over the other arms."""
+    first = [Run(task, lead, s) for s in range(seeds)] if lead in arms else []
+    rest = [Run(task, a, s) for s in range(seeds) for a in arms if a != lead]
     return first + rest
+
+
+def _arms(task: str):
+    """The arms of a task: the table's arms, the byte LM's, or a distillation kind's
+    (`distillation.QUEUE`, with its ``teacher``)."""
+    if task in table.TASKS:
+        return tuple(table.ARMS)
+    if task == "lm":
+        return ablations.LM_ARMS
+    return distillation.QUEUE[task][1]
+
+
+TASKS = (*table.TASKS, "lm", *distillation.QUEUE)
 
 
 def groups(seeds: int = MIN_SEEDS) -> dict[str, list[Run]]:
@@ -77,23 +94,27 @@ def groups(seeds: int = MIN_SEEDS) -> dict[str, list[Run]]:
             for t in table.TASKS
             for r in _grid(t, ("flexformer_n", *table.FLEXFORMER_VARIANTS), seeds)
         ],
+        "distill": _grid("distill", distillation.QUEUE["distill"][1], seeds, "teacher"),
+        # a transfer also distils its student on the source task: that task's teachers first
+        "transfer": [Run("distill", "teacher", s) for s in range(seeds)]
+        + _grid("transfer", distillation.QUEUE["transfer"][1], seeds, "teacher"),
     }
 
 
 def parse(item: str) -> Run:
     """``task:arm:seed`` -> `Run`; ValueError naming the item when it is not one."""
     parts = item.split(":")
-    arms = table.ARMS if parts[0] in table.TASKS else ablations.LM_ARMS
     if (
         len(parts) != 3
-        or parts[0] not in (*table.TASKS, "lm")
-        or parts[1] not in arms
+        or parts[0] not in TASKS
+        or parts[1] not in _arms(parts[0])
         or not parts[2].isdigit()
     ):
+        arms = "; ".join(f"{t}: {sorted(_arms(t))}" for t in ("listops", "lm", *distillation.QUEUE))
         raise ValueError(
-            f"run {item!r}: expected task:arm:seed with task in {[*table.TASKS, 'lm']}, an arm "
-            f"of that task ({sorted(table.ARMS)} for the table's tasks, {list(ablations.LM_ARMS)} "
-            f"for lm) and a seed >= 0, or a group {list(groups(1))}"
+            f"run {item!r}: expected task:arm:seed with task in {list(TASKS)}, an arm of that "
+            f"task (the table's tasks share theirs; {arms}) and a seed >= 0, or a group "
+            f"{list(groups(1))}"
         )
     return Run(parts[0], parts[1], int(parts[2]))
 
@@ -119,37 +140,58 @@ def config_and_dir(settings: Settings, run: Run):
 
 def state(settings: Settings, run: Run) -> tuple[str, dict | None]:
     """One of `STATES`, and the summary of a finished run (else None)."""
-    config, path = config_and_dir(settings, run)
-    summary = run_cache.finished_run(config, path)
+    if run.task in distillation.QUEUE:
+        key, path, _ = distillation.queued_run(settings, *run)
+        summary = distillation.finished_queued(settings, *run)
+    else:
+        config, path = config_and_dir(settings, run)
+        key, summary = run_cache.run_key(config), run_cache.finished_run(config, path)
     if summary is not None:
         return "finished", summary
     if not path.exists():
         return "pending", None
-    return ("started" if run_cache.read_key(path) == run_cache.run_key(config) else "stale"), None
+    return ("started" if run_cache.read_key(path) == key else "stale"), None
+
+
+def phase(run: Run) -> int:
+    """Runs of a later phase start after every run of the earlier ones has ended: the
+    distillations (1) read their teachers (0), the transfers (2) the distillations' maps."""
+    if run.arm == "teacher" or run.task not in distillation.QUEUE:
+        return 0
+    return 1 if run.task == "distill" else 2
 
 
 def estimate_seconds(run: Run) -> float:
-    """The estimated wall time of `run` (`table.RUN_SECONDS`, `ablations.LM_RUN_SECONDS`)."""
+    """The estimated wall time of `run` (`table.RUN_SECONDS`, `ablations.LM_RUN_SECONDS`,
+    `distillation.RUN_SECONDS`)."""
+    if run.task in distillation.QUEUE:
+        return distillation.RUN_SECONDS
     return ablations.LM_RUN_SECONDS if run.task == "lm" else table.RUN_SECONDS[run.task]
 
 
 def train(settings: Settings, run: Run) -> dict:
     """Trains (or re-reads) `run` in this process, exactly as its claim does (`table.train_run`,
-    `ablations.lm_run`: the same config and directory)."""
+    `ablations.lm_run`, `distillation.train_queued`: the same config and directory)."""
+    if run.task in distillation.QUEUE:
+        return distillation.train_queued(settings, *run)
     return run_cache.trained(*config_and_dir(settings, run))
 
 
+def result(run: Run, summary: dict) -> tuple[str, float]:
+    """``(name, value)`` of a finished run: test accuracy (the table's tasks, teachers and
+    distilled students), test bits per byte (lm) or a transfer's accuracy drop."""
+    if run.task in distillation.QUEUE:
+        return distillation.queued_result(run.task, run.arm, summary)
+    name = "bits_per_byte" if run.task == "lm" else "accuracy"
+    return name, float(summary["test"][name])
+
+
 def _result(run: Run, summary: dict | None) -> str:
-    """`` test accuracy 0.512`` (the table's tasks) or `` test loss 1.867`` (lm) of a
-    finished run's summary; '' for None."""
+    """`` accuracy 0.5120`` (see `result`) of a finished run's summary; '' for None."""
     if summary is None:
         return ""
-    name = "loss" if run.task == "lm" else "accuracy"
-    return f" test {name} {float(summary['test'][name]):.4f}"
-
-
-def _metric(task: str) -> str:
-    return "bits_per_byte" if task == "lm" else "accuracy"
+    name, value = result(run, summary)
+    return f" {name} {value:.4f}"
 
 
 def _reference(task: str, arm: str, against: str | None = None) -> str:
@@ -157,7 +199,7 @@ def _reference(task: str, arm: str, against: str | None = None) -> str:
     mechanism, else softmax."""
     if against is not None:
         return against
-    if task != "lm" and table.ARMS[arm][0] != arm:
+    if task in table.TASKS and table.ARMS[arm][0] != arm:
         return table.ARMS[arm][0]
     return "softmax"
 
@@ -168,19 +210,20 @@ def summary_lines(runs, summaries: dict, against: str | None = None) -> list[str
     difference to `_reference` (when both have >= 2 seeds) and the mean end values of the
     kernel diagnostics."""
     values, kernel = collections.defaultdict(dict), collections.defaultdict(list)
+    metric = {}
     for r in runs:
         s = summaries.get(r)
         if s is not None:
-            values[r.task, r.arm][r.seed] = float(s["test"][_metric(r.task)])
+            metric[r.task], values[r.task, r.arm][r.seed] = result(r, s)
             if s.get("kernel"):
                 kernel[r.task, r.arm].append(s["kernel"]["end"])
     lines = []
     for (task, arm), by_seed in values.items():
         v = [by_seed[k] for k in sorted(by_seed)]
-        scale, n = (1.0, 3) if task == "lm" else (100.0, 2)  # accuracies in %
+        scale, n = (1.0, 3) if task == "lm" else (100.0, 2)  # accuracies, drops in %
         std = f" +- {scale * np.std(v, ddof=1):.{n}f}" if len(v) > 1 else ""
         seeds = ", ".join(f"{k}: {scale * by_seed[k]:.{n}f}" for k in sorted(by_seed))
-        mean = f"{_metric(task)} {scale * np.mean(v):.{n}f}{std} ({seeds})"
+        mean = f"{metric[task]} {scale * np.mean(v):.{n}f}{std} ({seeds})"
         line = f"{task:10s} {arm:24s} n={len(v)} {mean}"
         other = _reference(task, arm, against)
         ref = values.get((task, other))
@@ -223,8 +266,8 @@ def main(argv=None) -> dict[str, str]:
     args = p.parse_args(argv)
     settings = Settings(seeds=args.seeds, quick=args.quick, workdir=Path(args.workdir))
     if args.one is not None:
-        summary = train(settings, parse(args.one))
-        print(f"{args.one}: test {summary['test']}", flush=True)
+        run = parse(args.one)
+        print(f"{args.one}:{_result(run, train(settings, run))}", flush=True)
         return {args.one: "finished"}
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
@@ -250,13 +293,15 @@ def main(argv=None) -> dict[str, str]:
         print("\n".join(summary_lines(runs, summaries, args.against)))
         return {str(r): s for r, s in states.items()}
     done = {str(r): "finished" for r in runs if states[r] == "finished"}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        t0 = time.perf_counter()
-        futures = {pool.submit(_spawn, r, settings): r for r in left}
-        for f in concurrent.futures.as_completed(futures):
-            r, rc = futures[f], f.result()
-            done[str(r)] = "finished" if rc == 0 else f"failed (exit {rc})"
-            print(f"[runs] {r}: {done[str(r)]} ({time.perf_counter() - t0:.0f} s in)", flush=True)
+    t0 = time.perf_counter()
+    for ph in sorted({phase(r) for r in left}):
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            futures = {pool.submit(_spawn, r, settings): r for r in left if phase(r) == ph}
+            for f in concurrent.futures.as_completed(futures):
+                r, rc = futures[f], f.result()
+                done[str(r)] = "finished" if rc == 0 else f"failed (exit {rc})"
+                print(f"[runs] {r}: {done[str(r)]} ({time.perf_counter() - t0:.0f} s in)",
+                      flush=True)  # fmt: skip
     return done
 
 
