@@ -206,6 +206,16 @@ def test_model_smoke_every_mechanism(tmp_path, capsys, part):
     assert bench.model_table(result) in bench.report(model=result)
 
 
+def test_model_point_takes_the_mechanism_options():
+    from train.bench import model
+
+    shape = dict(seq_len=16, batch=1, dim=16, heads=2, mlp=16, layers=1, repeats=1, min_total_s=0)
+    points = [model.model_point("flexformer_n", attention_config={"num_features": m}, **shape)
+              for m in (4, 8)]  # fmt: skip
+    # omega1, omega2 [H, M, d] per layer: 2 x 2 x 4 x 8 more params at M = 8
+    assert points[1]["num_params"] - points[0]["num_params"] == 2 * 2 * 4 * 8
+
+
 def test_isolated_run_and_timeout(tmp_path, capsys):
     argv = ["scaling", "--seq-lens", "32", "--modes", "noncausal", "--passes", "fwd"]
     argv += ["--repeats", "1", "--quiet", "--mechanisms", "linear_elu"]
