@@ -194,8 +194,9 @@ def trained(config, run_dir: Path, log=print) -> dict:
     resumes from the run's checkpoints when its key matched)."""
     from train import loop
 
-    summary = finished_run(config, run_dir)
+    key = run_key(config)  # hashes the code it runs: computed once
+    summary = finished(run_dir, key, int(config.num_train_steps))
     if summary is None:
-        prepare(run_dir, run_key(config), log=log)
+        prepare(run_dir, key, log=log)
         summary = loop.train_and_evaluate(config, run_dir)
     return summary

@@ -77,12 +77,13 @@ def teacher_run(settings: Settings, task: str, seed: int) -> dict:
     """The softmax teacher of `task` (mini) for `seed`, shared by that seed's students:
     trained to its last step (resumed from its checkpoints after an interruption) and
     cached by its key (`train.claims.cache.trained`)."""
-    config = teacher_config(_config(task, "softmax", seed, settings.quick))
-    return run_cache.trained(config, _teacher_dir(settings, task, seed))
+    return run_cache.trained(
+        _teacher_config(settings, task, seed), _teacher_dir(settings, task, seed)
+    )
 
 
-def _teacher_key(settings: Settings, task: str, seed: int) -> dict:
-    return run_cache.run_key(teacher_config(_config(task, "softmax", seed, settings.quick)))
+def _teacher_config(settings: Settings, task: str, seed: int):
+    return teacher_config(_config(task, "softmax", seed, settings.quick))
 
 
 def distill_run(settings: Settings, student: str, seed: int, *, stage2: bool = True) -> dict:
@@ -147,7 +148,7 @@ def queued_run(settings: Settings, kind: str, arm: str, seed: int) -> tuple[dict
     task = QUEUE[kind][0]
     if arm == "teacher":
         return (
-            _teacher_key(settings, task, seed),
+            run_cache.run_key(_teacher_config(settings, task, seed)),
             _teacher_dir(settings, task, seed),
             "summary.json",
         )
@@ -159,9 +160,10 @@ def queued_run(settings: Settings, kind: str, arm: str, seed: int) -> tuple[dict
     return _distill_key(settings, config), path, name
 
 
-def finished_queued(settings: Settings, kind: str, arm: str, seed: int) -> dict | None:
-    """The summary of a finished queued run (a distillation's with its stage 2), else None."""
-    key, path, name = queued_run(settings, kind, arm, seed)
+def finished_queued(kind: str, arm: str, spec: tuple[dict, Path, str]) -> dict | None:
+    """The summary of a finished queued run (a distillation's with its stage 2), else None;
+    `spec`: its `queued_run`."""
+    key, path, name = spec
     summary = run_cache.finished(path, key, None, name=name)
     if summary is not None and kind == "distill" and arm != "teacher" and "stage2" not in summary:
         return None

@@ -141,11 +141,13 @@ def config_and_dir(settings: Settings, run: Run):
 def state(settings: Settings, run: Run) -> tuple[str, dict | None]:
     """One of `STATES`, and the summary of a finished run (else None)."""
     if run.task in distillation.QUEUE:
-        key, path, _ = distillation.queued_run(settings, *run)
-        summary = distillation.finished_queued(settings, *run)
+        spec = distillation.queued_run(settings, *run)
+        key, path, _ = spec
+        summary = distillation.finished_queued(run.task, run.arm, spec)
     else:
         config, path = config_and_dir(settings, run)
-        key, summary = run_cache.run_key(config), run_cache.finished_run(config, path)
+        key = run_cache.run_key(config)  # hashes the code it runs: computed once
+        summary = run_cache.finished(path, key, int(config.num_train_steps))
     if summary is not None:
         return "finished", summary
     if not path.exists():
