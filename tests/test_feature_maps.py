@@ -138,9 +138,53 @@ def test_causal_features_in_the_scan_equal_the_whole_sequence_features(name, con
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_causal_forward_holds_one_chunk_of_features():
-    """The point of computing them in the scan: XLA's temp memory of the causal forward
-    stays below the size of one sequence's query features (it holds one chunk's)."""
+@pytest.mark.parametrize("name", FEATURE_MAP_NAMES)
+def test_noncausal_blocks_equal_the_whole_sequence_features(name):
+    """Over more than two blocks a token-wise map whose features are wider than the head
+    (M > d: all but linear_elu) computes its non-causal features block by block inside two
+    scans (keys, then queries); that equals the core on the whole sequence's features
+    (forward and gradients, params included), with ragged last blocks, Tq != Tk, masked keys
+    (a block of only masked keys among them) and key log-scales that differ across blocks
+    (inputs x 3). linear_elu (M = d) keeps the whole-sequence path."""
+    m = mech(name)
+    fm = m.feature_map
+    params = init(m)
+    q, k, v = qkv(seed=6, tq=11, tk=13)
+    q, k = 3.0 * q, 3.0 * k
+    mask = jnp.arange(13)[None, :] < jnp.array([[13], [3]])
+    whole = dataclasses.replace(fm, token_wise=False)
+
+    def run(f):
+        def loss(q, k, v, p):
+            out = core.attend_features(f, q, k, v, p, mask=mask, deterministic=True, block_size=4)
+            return jnp.sum(jnp.sin(out)), out
+
+        scans = str(jax.make_jaxpr(loss)(q, k, v, params)).count(" scan[")
+        return scans, jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, params)
+
+    (scans, (g_in, out_in)), (no_scans, (g_whole, out_whole)) = run(fm), run(whole)
+    assert (scans, no_scans) == ((0, 0) if name == "linear_elu" else (2, 0))
+    np.testing.assert_allclose(out_in, out_whole, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_in), jax.tree.leaves(g_whole), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_noncausal_blocks_refuse_a_decay():
+    """Gated rfa's log decay needs causal attention, in blocks as on the whole sequence."""
+    m = mech("rfa", gate=True)
+    params = init(m)
+    q, k, v = qkv(tq=9, tk=9)
+    fm = m.feature_map
+    for f in (fm, dataclasses.replace(fm, token_wise=False)):
+        with pytest.raises(ValueError, match="log_decay needs causal=True"):
+            core.attend_features(f, q, k, v, params, deterministic=True, block_size=4)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_holds_one_chunk_of_features(causal):
+    """The point of computing them in the scans: XLA's temp memory of the forward stays
+    below the size of one sequence's query features (2 MB): it holds one chunk's (causal)
+    or one 256-token block's (non-causal, a sequence longer than `block_size`)."""
     m = la.get("performer").bind(num_features=256)
     fm = m.feature_map
     params = m.init(jax.random.key(0), num_heads=2, head_dim=16)
@@ -148,11 +192,13 @@ def test_causal_forward_holds_one_chunk_of_features():
 
     def temp_bytes(f):
         def fn(q, k, v):
-            return core.attend_features(f, q, k, v, params, causal=True, deterministic=True)
+            return core.attend_features(
+                f, q, k, v, params, causal=causal, deterministic=True, block_size=256
+            )
 
         return jax.jit(fn).lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
 
     features = 1024 * 2 * 256 * 4  # one [B, T, H, M] float32 array
     fused, whole = temp_bytes(fm), temp_bytes(dataclasses.replace(fm, token_wise=False))
-    print("causal forward temp bytes: in the scan", fused, "whole sequence", whole)
+    print(f"forward temp bytes (causal={causal}): in the scans", fused, "whole sequence", whole)
     assert fused < features < whole

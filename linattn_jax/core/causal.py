@@ -115,6 +115,11 @@ def _token_chunks(chunk_size, mask, v, *xs):
     return tuple(map(chunks, (v, keep, *xs)))
 
 
+def _check_no_decay(log_decay):
+    if log_decay is not None:
+        raise ValueError("linear_attention: log_decay needs causal=True")
+
+
 def _chunk_keys(fmap, params, kc, keepc, config):
     """One chunk's `KeyFeatures` with the key mask applied: ``(phi, ns, log_decay)``, ns the
     masked log-scales (`_masked_log_scale`), log_decay None without a decay."""

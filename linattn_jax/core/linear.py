@@ -1,15 +1,26 @@
 """Linear attention's entry points: `linear_attention` (the non-causal form as two
 einsums; the causal form from `linattn_jax.core.causal`), its naive oracle
 `quadratic_reference`, `attend` / `attend_features` (what every feature-map mechanism ends
-with) and `normalized_weights`."""
+with; a token-wise map's long non-causal pass block by block, `_noncausal_fused`) and
+`normalized_weights`."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-from linattn_jax.core.causal import _causal_chunked, _causal_fused
+from linattn_jax.core.causal import (
+    _causal_chunked,
+    _causal_fused,
+    _check_no_decay,
+    _chunking,
+    _token_chunks,
+)
 from linattn_jax.core.common import (
+    _NEG,
     DENOMINATOR_EPS,
     _apply_key_mask,
     _check_floor,
@@ -17,11 +28,16 @@ from linattn_jax.core.common import (
     _f32,
     _masked_log_scale,
     _read_out_heads_first,
+    _split_last,
     _split_mass,
     denominator_floor,
     guard_denominator,
 )
 from linattn_jax.core.features import FeatureMap
+
+#: Block length of the non-causal pass of a token-wise feature map over a long sequence
+#: (`attend_features`, `_noncausal_fused`).
+NONCAUSAL_BLOCK = 512
 
 
 def linear_attention(
@@ -66,8 +82,7 @@ def linear_attention(
     ns = _masked_log_scale(key_log_scale, mask, phi_k.shape[:3])
     _check_one_key_weighting(log_decay, key_log_scale)
     if not causal:
-        if log_decay is not None:
-            raise ValueError("linear_attention: log_decay needs causal=True")
+        _check_no_decay(log_decay)
         # heads first as in `read_out`, swapped before the mass channel is split off, so
         # that a feature map's own swap (`heads_last`) cancels and the split is free
         pq, pk = jnp.swapaxes(phi_q, 1, 2), jnp.swapaxes(phi_k, 1, 2)  # [B, H, T, M]
@@ -196,13 +211,27 @@ def attend_features(
     deterministic: bool = False,
     chunk_size: int = 64,
     quadratic: bool = False,
+    block_size: int = NONCAUSAL_BLOCK,
     **config,
 ):
-    """A feature-map mechanism's attention from its `FeatureMap` (inputs already checked)."""
+    """A feature-map mechanism's attention from its `FeatureMap` (inputs already checked).
+
+    A token-wise map computes its features inside the scans: chunk by chunk when causal
+    (`_causal_fused`), and block by block (`block_size` tokens) when non-causal over more
+    than two blocks with features wider than the head (M > d: they are then the pass's
+    largest arrays; `_noncausal_fused`). Otherwise the core gets the whole sequence's
+    features (`attend`). Measured: the block-by-block pass at T = 2k-16k ran faster for
+    performer, rfa and the flexformers (forward and forward+backward), and slower for
+    linear_elu (M = d), and below 2 blocks (docs/performance.md)."""
     params = fmap.resolve(params, rng, deterministic=deterministic, **config)
-    if causal and fmap.token_wise and not quadratic:
+    if fmap.token_wise and not quadratic:
         floor = fmap.den_floor(**config)
-        return _causal_fused(fmap, params, q, k, v, mask, chunk_size, floor, config).astype(q.dtype)
+        if causal:
+            out = _causal_fused(fmap, params, q, k, v, mask, chunk_size, floor, config)
+            return out.astype(q.dtype)
+        if max(q.shape[1], k.shape[1]) > 2 * block_size and _wide(fmap, params, k, config):
+            out = _noncausal_fused(fmap, params, q, k, v, mask, block_size, floor, config)
+            return out.astype(q.dtype)
     keys = fmap.key(k, params, **config)
     return attend(
         fmap.query(q, params, **config),
@@ -217,3 +246,68 @@ def attend_features(
         quadratic=quadratic,
         den_floor=fmap.den_floor(**config),
     )
+
+
+def _wide(fmap, params, k, config) -> bool:
+    """Whether the map's key features are wider than the head (M > d), from their shape."""
+    phi = jax.eval_shape(lambda x: fmap.key(x, params, **config).phi, k[:, :1])
+    return phi.shape[-1] > k.shape[-1]
+
+
+def _noncausal_fused(fmap, params, q, k, v, mask, block_size, den_floor, config):
+    """Non-causal `linear_attention` of a token-wise `FeatureMap` with its features computed
+    block by block inside two scans: one over the key blocks, summing s and z under a
+    running max of the key log-scales (as `combine_states`), then one over the query blocks,
+    each read out from the summary (`_read_out_heads_first`). Each block's features are
+    recomputed in the backward pass (`jax.checkpoint`), so neither pass holds the ``[B, T,
+    H, M]`` features of the whole sequence, only one block's, in cache: at T = 4k and 16k
+    the forward and forward+backward ran faster than from the whole sequence's features
+    (docs/performance.md). Equal to ``linear_attention(fmap.query(q), fmap.key(k).phi, v)``
+    to rounding (tested for every token-wise map); ``[B, Tq, H, Dv]`` float32."""
+    vc, keepc, kc = _token_chunks(block_size, mask, v, k)
+
+    # the backward pass recomputes a block's features, never stores them (no CSE to prevent
+    # inside a scan)
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def key_block(vx, keepx, kx):
+        """One block's ``(s [B, H, M, Dv], z [B, H, M], mass [B, H], log-scale max [B, H])``."""
+        keys = fmap.key(kx, params, **config)
+        _check_no_decay(keys.log_decay)
+        # heads first [B, H, c, M] (cancels the map's own swap)
+        pk = jnp.swapaxes(keys.phi.astype(_f32), 1, 2)
+        pk, mass = _split_last(pk) if den_floor else (pk, None)
+        ns = _masked_log_scale(keys.log_scale, keepx, (kx.shape[0], kx.shape[1], pk.shape[1]))
+        ns = jnp.swapaxes(ns, 1, 2)  # [B, H, c]
+        top = lax.stop_gradient(jnp.max(ns, axis=-1))
+        # The key weights, 0 at masked keys, go on v and z (c wide), not on phi (M wide).
+        w = jnp.where(keepx[:, None, :], jnp.exp(ns - top[..., None]), 0.0)
+        s = jnp.einsum("bhcm,bchd->bhmd", pk, vx.astype(_f32) * jnp.swapaxes(w, 1, 2)[..., None])
+        z = jnp.einsum("bhcm,bhc->bhm", pk, w)
+        zm = jnp.zeros_like(top) if mass is None else jnp.sum(mass * w, axis=-1)
+        return s, z, zm, top
+
+    def key_step(carry, x):
+        s, z, zm, c = carry
+        s_b, z_b, zm_b, c_b = key_block(*x)
+        c_new = jnp.maximum(c, c_b)
+        a, b = jnp.exp(c - c_new), jnp.exp(c_b - c_new)
+        s = s * a[..., None, None] + s_b * b[..., None, None]
+        return (s, z * a[..., None] + z_b * b[..., None], zm * a + zm_b * b, c_new), None
+
+    shapes = jax.eval_shape(key_block, *(x[0] for x in (vc, keepc, kc)))
+    init = tuple(jnp.zeros(x.shape, _f32) for x in shapes[:3])
+    init += (jnp.full(shapes[3].shape, _NEG, _f32),)
+    (s, z, zm, _), _ = lax.scan(key_step, init, (vc, keepc, kc))
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def query_block(s, z, zm, qx):
+        pq = jnp.swapaxes(fmap.query(qx, params, **config).astype(_f32), 1, 2)  # heads first
+        pq, mass = (pq[..., :-1], zm) if den_floor else (pq, None)
+        return _read_out_heads_first(pq, s, z, mass, DENOMINATOR_EPS, den_floor)
+
+    b, tq, h = q.shape[:3]
+    c, n, pad = _chunking(tq, block_size)
+    qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)), mode="edge") if pad else q
+    qc = jnp.moveaxis(qp.reshape(b, n, c, *q.shape[2:]), 1, 0)  # [n, B, c, H, d]
+    _, out = lax.scan(lambda _, qx: (None, query_block(s, z, zm, qx)), None, qc)
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * c, h, -1)[:, :tq]
