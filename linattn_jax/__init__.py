@@ -25,6 +25,7 @@ from linattn_jax import soft  # noqa: F401
 from linattn_jax import laplacian  # noqa: F401
 from linattn_jax import ra  # noqa: F401
 from linattn_jax import lara  # noqa: F401
+
 # isort: on
 from linattn_jax import hf, landmarks, linen, nn, parallel  # noqa: E402  (hf: no transformers)
 from linattn_jax.transplant import transplant  # noqa: E402

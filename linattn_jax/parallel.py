@@ -64,6 +64,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from linattn_jax import core, landmarks, laplacian, lara, nystromformer, registry, soft
 from linattn_jax.core.causal import _causal_fused, _fused_block_state
+from linattn_jax.core.linear import NONCAUSAL_BLOCK, _noncausal_fused, _wide
 
 _f32 = jnp.float32
 
@@ -146,6 +147,8 @@ def _feature_map_body(fmap, causal, chunk_size, axis):
 
     def body(q, k, v, params, extra, mask=None):
         del extra
+        if not causal and fmap.token_wise and _wide(fmap, params, k, {}):
+            return _fused_noncausal(fmap, params, q, k, v, mask, axis).astype(q.dtype)
         phi_q = fmap.query(q, params)
         keys = fmap.key(k, params)
         den_floor = fmap.den_floor()
@@ -182,6 +185,24 @@ def _feature_map_body(fmap, causal, chunk_size, axis):
         return out.astype(q.dtype)
 
     return body
+
+
+def _fused_noncausal(fmap, params, q, k, v, mask, axis):
+    """The non-causal pass of a token-wise map with features wider than the head (as one
+    device's over a long sequence, `core.attend_features`): this device's keys summed block
+    by block, the sums of all devices added (under their largest key log-scale), then its
+    queries read block by block (`_noncausal_fused`); never ``[B, T/n, H, M]`` features at
+    once, so the per-device memory falls with the shards."""
+
+    def combine(s, z, zm, c):
+        c_all = lax.stop_gradient(lax.pmax(c, axis))
+        w = jnp.exp(c - c_all)
+        sums = (s * w[..., None, None], z * w[..., None], zm * w)
+        return tuple(lax.psum(x, axis) for x in sums)
+
+    return _noncausal_fused(
+        fmap, params, q, k, v, mask, NONCAUSAL_BLOCK, fmap.den_floor(), {}, combine
+    )
 
 
 def _fused_causal_body(fmap, chunk_size, axis):

@@ -6,6 +6,8 @@ gradients: `linattn_jax.ra_common`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -31,19 +33,21 @@ def _ra_valid(mask, causal, b, tq, tk):
     return valid
 
 
-def ra_draws(key, batch: int, q_len: int, num_heads: int, head_dim: int):
+def ra_draws(key, batch: int, q_len: int, num_heads: int, head_dim: int, offset=0):
     """One RA draw per query: ``(u [B, H, Tq] ~ U(0, 1), eps [B, Tq, H, d] ~ N(0, I))``.
 
     Query n's values come from one ``normal(fold_in(key, n), (B, H, d + 1))``: the
     first d coordinates are eps and ``u = Phi(z_d)`` (the normal CDF of the last one
     is uniform). Indexed by position, they do not depend on the sequence length
     (padding-invariant); one Gaussian draw per position keeps the traced RNG small.
+    `offset` (an int, traced or not): the draws of positions ``offset .. offset + Tq - 1``
+    (a block of queries, `_ra`).
     """
     z = jax.vmap(
         lambda n: jax.random.normal(
             jax.random.fold_in(key, n), (batch, num_heads, head_dim + 1), _f32
         )
-    )(jnp.arange(q_len))  # [Tq, B, H, d + 1]
+    )(offset + jnp.arange(q_len))  # [Tq, B, H, d + 1]
     u = jax.scipy.special.ndtr(z[..., head_dim])
     return jnp.transpose(u, (1, 2, 0)), jnp.transpose(z[..., :head_dim], (1, 0, 2, 3))
 
@@ -97,17 +101,65 @@ def ra_attention(
     return _ra(q, k, v, valid, None, None, rng, deterministic, num_samples)
 
 
+#: Queries per block of RA over a sequence of more than two blocks (`_ra`): one block's
+#: ``[B, H, block, Tk]`` score arrays at a time, not ``[B, H, Tq, Tk]``.
+QUERY_BLOCK = 256
+
+
 def _ra(q, k, v, valid, bias, drop, rng, deterministic, num_samples):
     """RA over a ``[B, 1|H, Tq, Tk]`` `valid` pattern, with an optional additive `bias`
     (broadcastable to ``[B, H, Tq, Tk]``) and a dropout multiplier `drop` on the weights of
     ``f``. A bias b_nj enters the proposal and ``f`` alike: it is a log prior c_j = e^b_nj on
     the keys of query n, and ``sum_j c_j exp(q.k_j) N(w; q + k_j, I)`` factors the same way
     as without it, so ``E[out_n]`` is ``softmax(q.k / sqrt(d) + b)`` attention; `drop` is
-    linear in ``f``'s weights, so ``E[out]`` is the same dropped-out softmax attention."""
+    linear in ``f``'s weights, so ``E[out]`` is the same dropped-out softmax attention.
+
+    Queries are independent: over more than ``2 * QUERY_BLOCK`` of them they are taken
+    `QUERY_BLOCK` at a time (a `lax.map`, each block recomputed in the backward pass), so
+    the score arrays are one block's, not ``[B, H, Tq, Tk]``. With a threefry key the draws
+    (indexed by position, `ra_draws`) and so the values are those of the whole pass; an
+    "rbg" key's draws under `jax.vmap` depend on the batch, so they differ (equally
+    valid draws)."""
     b, tq, h, d = q.shape
-    tk = k.shape[1]
     qh, kh, v32 = core.scale_inputs(q), core.scale_inputs(k), v.astype(_f32)
-    bias = 0.0 if bias is None else jnp.asarray(bias, _f32)
+    bias = jnp.zeros((1, 1, 1, 1), _f32) if bias is None else jnp.asarray(bias, _f32)
+    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+    drop = jnp.ones((1, 1, 1, 1), _f32) if drop is None else drop
+    keys = None if deterministic else _sample_keys(rng, num_samples)
+    per_query = (qh, valid, bias, drop)  # the query axis: 1 of qh, -2 of the others
+    if tq <= 2 * QUERY_BLOCK:
+        return _ra_block(keys, 0, kh, v32, *per_query).astype(q.dtype)
+    c, n = QUERY_BLOCK, -(-tq // QUERY_BLOCK)
+    pad = n * c - tq
+
+    def blocks(x, axis):
+        if x.shape[axis] == 1:  # broadcast over the queries: the same for every block
+            return None, x
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, pad)
+        x = jnp.pad(x, widths, mode="edge") if pad else x
+        x = x.reshape(x.shape[:axis] + (n, c) + x.shape[axis + 1 :])
+        return jnp.moveaxis(x, axis, 0), None
+
+    split = [blocks(x, 1 if i == 0 else 2) for i, x in enumerate(per_query)]
+    xs = tuple(x for x, _ in split)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def one_block(i, xs):
+        args = [x if x is not None else same for x, (_, same) in zip(xs, split, strict=True)]
+        return _ra_block(keys, i * c, kh, v32, *args)
+
+    out = lax.map(lambda ixs: one_block(*ixs), (jnp.arange(n), xs))  # [n, B, c, H, Dv]
+    out = jnp.moveaxis(out, 0, 1).reshape(b, n * c, h, -1)[:, :tq]
+    return out.astype(q.dtype)
+
+
+def _ra_block(keys, offset, kh, v32, qh, valid, bias, drop):
+    """`_ra` of the queries at positions ``offset ..`` (their scaled `qh` ``[B, c, H, d]``
+    and their rows of `valid`, `bias`, `drop`), from the sample `keys` (None: the
+    deterministic form); float32 ``[B, c, H, Dv]``."""
+    b, tq, h, d = qh.shape
+    tk = kh.shape[1]
     logits = jnp.einsum("bihd,bjhd->bhij", qh, kh) + bias
     pi = _masked_softmax(logits, valid, -1)  # [B, H, Tq, Tk]
     k_bias = jnp.transpose(_sq_half(kh), (0, 2, 1))[:, :, None, :]  # [B, H, 1, Tk]
@@ -115,33 +167,31 @@ def _ra(q, k, v, valid, bias, drop, rng, deterministic, num_samples):
 
     def f(omega):  # [B, Tq, H, d] -> [B, Tq, H, Dv]
         w = _masked_softmax(jnp.einsum("bihd,bjhd->bhij", omega, kh) - k_bias + bias, valid, -1)
-        w = w if drop is None else w * drop
-        return jnp.einsum("bhij,bjhd->bihd", w, v32)
+        return jnp.einsum("bhij,bjhd->bihd", w * drop, v32)
 
-    if deterministic:
-        return f(qh + jnp.einsum("bhij,bjhd->bihd", pi, kh)).astype(q.dtype)
+    if keys is None:
+        return f(qh + jnp.einsum("bhij,bjhd->bihd", pi, kh))
 
     # Inverse-CDF sampling of m* (see the module docstring); no gradient through the choice.
     cdf = jnp.cumsum(lax.stop_gradient(pi), axis=-1)  # [B, H, Tq, Tk]
     last = jnp.max(jnp.where(pi > 0, jnp.arange(tk), 0), axis=-1)  # [B, H, Tq]
 
     def one(key):
-        u, eps = ra_draws(key, b, tq, h, d)
+        u, eps = ra_draws(key, b, tq, h, d, offset)
         idx = jnp.sum(cdf <= (u * cdf[..., -1])[..., None], axis=-1)  # first j with cdf_j > u
         idx = jnp.minimum(idx, last)  # u * total rounded up to total: the last valid key
         k_star = jnp.take_along_axis(kh_h, idx[..., None], axis=2)  # [B, H, Tq, d]
         return f(qh + jnp.transpose(k_star, (0, 2, 1, 3)) + eps)
 
-    keys = _sample_keys(rng, num_samples)
-    if num_samples == 1:
-        return one(keys[0]).astype(q.dtype)
+    if keys.shape[0] == 1:
+        return one(keys[0])
 
     def body(acc, key):
         return acc + one(key), None
 
-    acc0 = jnp.zeros((b, tq, h, v.shape[-1]), _f32)
+    acc0 = jnp.zeros((b, tq, h, v32.shape[-1]), _f32)
     total, _ = lax.scan(jax.checkpoint(body), acc0, keys)
-    return (total / num_samples).astype(q.dtype)
+    return total / keys.shape[0]
 
 
 def ra_flax_attention(

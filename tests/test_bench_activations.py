@@ -60,8 +60,9 @@ def test_weight_rows_bound_and_floor_stats():
     den, l1, bound = ba.weight_rows("flexformer_n", params, q, k, causal=True)
     np.testing.assert_array_equal(
         np.asarray(den),
-        np.asarray(ba.denominators("flexformer_n", params, q, k, causal=True,
-                                   config=(("den_floor", 0.0),))),  # fmt: skip
+        np.asarray(
+            ba.denominators("flexformer_n", params, q, k, causal=True, config=(("den_floor", 0.0),))
+        ),  # fmt: skip
     )
     assert bool(jnp.all(jnp.abs(den) <= l1 * (1 + 1e-5))) and bool(jnp.all(l1 <= bound * 1.0001))
     stats = (np.array([[[0.5, -0.01, 0.2]]]), np.array([[[0.5, 0.4, 0.3]]]), np.ones((1, 1, 3)))

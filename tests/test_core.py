@@ -281,9 +281,9 @@ def test_den_floor_zero_feature_rows_have_finite_gradients():
 def test_sincos_matches_float64_and_its_derivatives_are_cos_and_minus_sin():
     # every quadrant, small and large arguments up to the exact reduction's range (|x| < 1e4),
     # then beyond it
-    x = np.concatenate(
-        [np.linspace(-7.0, 7.0, 20_001), np.linspace(-1e4, 1e4, 20_001)]
-    ).astype(np.float32)
+    x = np.concatenate([np.linspace(-7.0, 7.0, 20_001), np.linspace(-1e4, 1e4, 20_001)]).astype(
+        np.float32
+    )
     far = np.linspace(-1e5, 1e5, 20_001).astype(np.float32)
     for args, atol in ((x, 2e-7), (far, 2e-6)):
         sin, cos = jax.jit(core.sincos)(args)

@@ -297,7 +297,13 @@ def test_ra_attention_fn_dropout_rng_semantics():
     fn = la.linen.attention_fn("ra")
     got = fn(q, k, v, bias=bias, mask=mask, dropout_rng=key, dropout_rate=0.5, deterministic=False)
     want = ra_flax_attention(
-        q, k, v, jax.random.fold_in(key, 1), mask=mask, bias=bias, dropout_rate=0.5,
+        q,
+        k,
+        v,
+        jax.random.fold_in(key, 1),
+        mask=mask,
+        bias=bias,
+        dropout_rate=0.5,
         dropout_rng=key,
     )
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -200,6 +200,7 @@ def test_laplacian_m_equals_t_is_full_kernel(kernel):
         )
         errs[norm, inverse] = _close(out, want[norm], 2e-4, f"{norm} {inverse}")
     print(f"laplacian ({kernel}) m=T max abs err:", errs)
+
     # Gradients of "none" (out = K V; A^+ C_k = I has none) against the naive kernel in jnp.
     def naive(q, k, v, log_lam):
         diff = q[:, :, None] - k[:, None, :]  # [B, N, M, H, D]

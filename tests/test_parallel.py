@@ -155,13 +155,22 @@ def test_bad_meshes_and_mechanisms_raise():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_per_device_memory_falls_with_the_shards(causal):
-    """XLA's compiled per-device memory (forward+backward) over 4 sequence shards is close
-    to a quarter of one device's (`python -m train.bench parallel` reports it at 64k)."""
+    """XLA's compiled per-device memory (forward+backward) over 4 sequence shards grows
+    with the length at close to a quarter of one device's rate (`python -m train.bench
+    parallel` reports the memory itself at 64k). The growth, from T = 4k to 8k: one device's
+    non-causal pass over a long sequence holds one block's features whatever T
+    (`core.attend_features`), a constant that at these small shapes is most of its memory."""
     from train.bench.parallel import per_device_memory
 
-    one = per_device_memory("performer", 4096, 1, causal=causal, h=2, d=16)
-    four = per_device_memory("performer", 4096, 4, causal=causal, h=2, d=16)
-    assert four < 0.4 * one, (one, four)
+    def growth(shards):
+        mem = [
+            per_device_memory("performer", t, shards, causal=causal, h=2, d=16)
+            for t in (4096, 8192)
+        ]
+        return mem[1] - mem[0]
+
+    one, four = growth(1), growth(4)
+    assert 0 < four < 0.35 * one, (one, four)
 
 
 _TOKEN_WISE = [

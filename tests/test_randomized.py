@@ -145,8 +145,12 @@ def test_registered():
         (True, True, 1, True),
     ],
 )
-def test_ra_matches_reference(causal, masked, num_samples, deterministic):
-    """Fast path == naive reference (same draws), forward and gradients; causal included."""
+@pytest.mark.parametrize("blocked", [False, True], ids=["whole", "blocked"])
+def test_ra_matches_reference(causal, masked, num_samples, deterministic, blocked, monkeypatch):
+    """Fast path == naive reference (same draws), forward and gradients; causal included;
+    `blocked`: the 12 queries taken 4 at a time (``ra.QUERY_BLOCK``, as over long sequences)."""
+    if blocked:
+        monkeypatch.setattr(ra, "QUERY_BLOCK", 4)
     q, k, v = _qkv(0)
     mask = _lengths_mask([12, 7], 12) if masked else None
     rng = None if deterministic else _key(3)
@@ -159,6 +163,30 @@ def test_ra_matches_reference(causal, masked, num_samples, deterministic):
         assert float(jnp.max(jnp.abs(x))) > 0
     if causal:  # query 0 sees only key 0: whatever the draw, its output is v_0
         _close(out[:, 0], v[:, 0], 1e-6)
+
+
+def test_ra_flax_form_in_query_blocks(monkeypatch):
+    """RA under flax's conventions with a per-query mask, a full bias and per-entry dropout
+    gives the same values and gradients when its 13 queries are taken 4 at a time (the
+    last block padded)."""
+    q, k, v = _qkv(4, tq=13, tk=13)
+    mask = jnp.tril(jnp.ones((13, 13), bool))[None, None]
+    bias = _normal(5, 2, H, 13, 13)
+    drop = dict(dropout_rate=0.2, dropout_rng=_key(6), broadcast_dropout=False)
+
+    def run():
+        def loss(q, k, v, b):
+            # threefry: a position's draw is the same in a vmap over 4 or 13 positions
+            out = ra.ra_flax_attention(q, k, v, jax.random.key(7), mask=mask, bias=b, **drop)
+            return jnp.sum(jnp.sin(out)), out
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, bias)
+
+    g_whole, out_whole = run()
+    monkeypatch.setattr(ra, "QUERY_BLOCK", 4)
+    g_blocked, out_blocked = run()
+    _close(out_blocked, out_whole, FWD_TOL[jnp.float32])
+    _assert_trees_close(g_blocked, g_whole, GRAD_TOL)
 
 
 def test_ra_num_samples_averages_independent_draws():

@@ -254,23 +254,49 @@ def _wide(fmap, params, k, config) -> bool:
     return phi.shape[-1] > k.shape[-1]
 
 
-def _noncausal_fused(fmap, params, q, k, v, mask, block_size, den_floor, config):
+def _noncausal_fused(fmap, params, q, k, v, mask, block_size, den_floor, config, combine=None):
     """Non-causal `linear_attention` of a token-wise `FeatureMap` with its features computed
-    block by block inside two scans: one over the key blocks, summing s and z under a
-    running max of the key log-scales (as `combine_states`), then one over the query blocks,
-    each read out from the summary (`_read_out_heads_first`). Each block's features are
-    recomputed in the backward pass (`jax.checkpoint`), so neither pass holds the ``[B, T,
-    H, M]`` features of the whole sequence, only one block's, in cache: at T = 4k and 16k
-    the forward and forward+backward ran faster than from the whole sequence's features
-    (docs/performance.md). Equal to ``linear_attention(fmap.query(q), fmap.key(k).phi, v)``
-    to rounding (tested for every token-wise map); ``[B, Tq, H, Dv]`` float32."""
-    vc, keepc, kc = _token_chunks(block_size, mask, v, k)
+    block by block inside two scans: one over the key blocks (`_fused_key_sums`), then one
+    over the query blocks, each read out from the keys' sums (`_read_out_heads_first`).
+    Each block's features are recomputed in the backward pass (`jax.checkpoint`), so
+    neither pass holds the ``[B, T, H, M]`` features of the whole sequence, only one
+    block's, in cache: at T = 4k and 16k the forward and forward+backward ran faster than
+    from the whole sequence's features (docs/performance.md). Equal to
+    ``linear_attention(fmap.query(q), fmap.key(k).phi, v)`` to rounding (tested for every
+    token-wise map); ``[B, Tq, H, Dv]`` float32. `combine`: ``(s, z, zm, c) -> (s, z, zm)``
+    applied to the keys' sums before the queries read them (the sequence-parallel pass
+    adds the other devices' there)."""
+    s, z, zm, c = _fused_key_sums(fmap, params, k, v, mask, block_size, den_floor, config)
+    if combine is not None:
+        s, z, zm = combine(s, z, zm, c)
 
     # the backward pass recomputes a block's features, never stores them (no CSE to prevent
     # inside a scan)
     @functools.partial(jax.checkpoint, prevent_cse=False)
+    def query_block(s, z, zm, qx):
+        pq = jnp.swapaxes(fmap.query(qx, params, **config).astype(_f32), 1, 2)  # heads first
+        pq, mass = (pq[..., :-1], zm) if den_floor else (pq, None)
+        return _read_out_heads_first(pq, s, z, mass, DENOMINATOR_EPS, den_floor)
+
+    b, tq, h = q.shape[:3]
+    c, n, pad = _chunking(tq, block_size)
+    qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)), mode="edge") if pad else q
+    qc = jnp.moveaxis(qp.reshape(b, n, c, *q.shape[2:]), 1, 0)  # [n, B, c, H, d]
+    _, out = lax.scan(lambda _, qx: (None, query_block(s, z, zm, qx)), None, qc)
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * c, h, -1)[:, :tq]
+
+
+def _fused_key_sums(fmap, params, k, v, mask, block_size, den_floor, config):
+    """The non-causal key sums of a token-wise `FeatureMap`, its features computed block by
+    block in a scan: ``(s [B, H, M, Dv], z [B, H, M], zm [B, H], c [B, H])`` with ``s =
+    sum_j exp(n_j - c) phi(k_j) v_j^T`` (z likewise, zm the mass channel's sum, 0 without a
+    floor) over the unmasked keys, c the max of their log-scales n_j (detached), kept as a
+    running max over the blocks (as `combine_states`)."""
+    vc, keepc, kc = _token_chunks(block_size, mask, v, k)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)  # as in `_noncausal_fused`
     def key_block(vx, keepx, kx):
-        """One block's ``(s [B, H, M, Dv], z [B, H, M], mass [B, H], log-scale max [B, H])``."""
+        """One block's ``(s, z, zm, c)``."""
         keys = fmap.key(kx, params, **config)
         _check_no_decay(keys.log_decay)
         # heads first [B, H, c, M] (cancels the map's own swap)
@@ -297,17 +323,4 @@ def _noncausal_fused(fmap, params, q, k, v, mask, block_size, den_floor, config)
     shapes = jax.eval_shape(key_block, *(x[0] for x in (vc, keepc, kc)))
     init = tuple(jnp.zeros(x.shape, _f32) for x in shapes[:3])
     init += (jnp.full(shapes[3].shape, _NEG, _f32),)
-    (s, z, zm, _), _ = lax.scan(key_step, init, (vc, keepc, kc))
-
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def query_block(s, z, zm, qx):
-        pq = jnp.swapaxes(fmap.query(qx, params, **config).astype(_f32), 1, 2)  # heads first
-        pq, mass = (pq[..., :-1], zm) if den_floor else (pq, None)
-        return _read_out_heads_first(pq, s, z, mass, DENOMINATOR_EPS, den_floor)
-
-    b, tq, h = q.shape[:3]
-    c, n, pad = _chunking(tq, block_size)
-    qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)), mode="edge") if pad else q
-    qc = jnp.moveaxis(qp.reshape(b, n, c, *q.shape[2:]), 1, 0)  # [n, B, c, H, d]
-    _, out = lax.scan(lambda _, qx: (None, query_block(s, z, zm, qx)), None, qc)
-    return jnp.moveaxis(out, 0, 1).reshape(b, n * c, h, -1)[:, :tq]
+    return lax.scan(key_step, init, (vc, keepc, kc))[0]
