@@ -103,7 +103,7 @@ def ra_attention(
 
 #: Queries per block of RA over a sequence of more than two blocks (`_ra`): one block's
 #: ``[B, H, block, Tk]`` score arrays at a time, not ``[B, H, Tq, Tk]``.
-QUERY_BLOCK = 256
+QUERY_BLOCK = 128
 
 
 def _ra(q, k, v, valid, bias, drop, rng, deterministic, num_samples):
