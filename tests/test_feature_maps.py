@@ -184,7 +184,7 @@ def test_noncausal_blocks_refuse_a_decay():
 def test_forward_holds_one_chunk_of_features(causal):
     """The point of computing them in the scans: XLA's temp memory of the forward stays
     below the size of one sequence's query features (2 MB): it holds one chunk's (causal)
-    or one 256-token block's (non-causal, a sequence longer than `block_size`)."""
+    or one 256-token block's (non-causal, more than two blocks of `block_size`)."""
     m = la.get("performer").bind(num_features=256)
     fm = m.feature_map
     params = m.init(jax.random.key(0), num_heads=2, head_dim=16)
