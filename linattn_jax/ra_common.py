@@ -49,8 +49,8 @@ def _masked_softmax(logits, valid, axis, seq_axis=None):
     so neither the value nor the gradient sees them. `seq_axis`: `axis` is split over
     that mesh axis (inside ``shard_map``); the max and the sum run over its devices too.
     Differentiated as a softmax (`_softmax_jvp`: ``dy = y (dx - sum(y dx))``, which is 0
-    at invalid entries and on all-invalid rows), not through its masks: on RA's ``[B, H,
-    Tq, Tk]`` weights that backward ran about 2x faster (docs/performance.md).
+    at invalid entries and on all-invalid rows), not through its masks: with it RA's
+    forward+backward at T = 1k ran in 76 ms instead of 124 (docs/performance.md).
     """
     return _softmax_where(logits, jnp.asarray(valid), axis, seq_axis)
 
