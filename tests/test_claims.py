@@ -409,6 +409,45 @@ def test_run_cache_reruns_stale_runs_and_keeps_fresh_ones(tmp_path):
     assert run_cache.config_digest(c2) != key["config"]
 
 
+def test_ledger_keeps_finished_runs_for_a_fresh_workdir(tmp_path, monkeypatch):
+    from train.claims import distillation, runs
+
+    _no_training(monkeypatch)
+    first = claims.Settings(workdir=tmp_path / "a", findings=tmp_path / "f")
+    fresh = claims.Settings(workdir=tmp_path / "b", findings=tmp_path / "f")  # a new clone
+    assert claims.Settings(quick=True, workdir=tmp_path).kept(tmp_path / "x") is None
+    _fake_runs(tmp_path / "a", {("listops", "rfa", 0): 0.3}, quick=False)
+    run = runs.Run("listops", "rfa", 0)
+    path = table.table_dir(first, *run)
+    copy = first.kept(path)
+    assert copy == tmp_path / "f" / "ledger" / path.relative_to(tmp_path / "a")
+    assert not copy.exists() and runs.state(fresh, run) == ("pending", None)
+    assert runs.state(first, run)[0] == "finished"  # read in the workdir: kept on the way
+    assert runs.state(fresh, run)[1]["test"]["accuracy"] == 0.3  # read in the ledger
+    assert table.train_run(fresh, *run)["test"]["accuracy"] == 0.3  # not trained
+    # a copy is read under its key only; one of another key is replaced, not mixed
+    (copy / run_cache.RUN_KEY).write_text(json.dumps({"config": "another"}))
+    assert runs.state(fresh, run) == ("pending", None)
+    (copy / "other.json").write_text("{}")
+    run_cache.keep(path, copy, overwrite=False)
+    assert run_cache.read_key(copy) == run_cache.read_key(path)
+    assert not (copy / "other.json").exists()
+    (path / "summary.json").write_text(json.dumps({"test": {"accuracy": 0.5}}))
+    run_cache.keep(path, copy, overwrite=False)  # same key, a summary there: left alone
+    assert json.loads((copy / "summary.json").read_text())["test"]["accuracy"] == 0.3
+    run_cache.keep(path, copy)
+    assert json.loads((copy / "summary.json").read_text())["test"]["accuracy"] == 0.5
+    run_cache.keep(tmp_path / "none", copy)  # no finished run there: nothing changes
+    assert run_cache.read_key(copy) == run_cache.read_key(path)
+    # a distillation is kept with its stage 2 and read from the ledger by a fresh clone
+    d = runs.Run("distill", "rfa", 0)
+    key, path, name = distillation.queued_run(first, *d)
+    run_cache.prepare(path, key, log=lambda *_: None)
+    done = {"recovery": 0.9, "stage2": {"test": {"accuracy": 0.375}}}
+    (path / name).write_text(json.dumps(done))
+    assert runs.state(first, d) == ("finished", done) == runs.state(fresh, d)
+
+
 def test_every_claim_is_registered_with_its_rule_command_and_compute():
     found = claims.all_claims()
     for key in ("ra.beats_rfa_fidelity", "rfa.biased", "ra.lra", "lara.multi_proposal",

@@ -7,7 +7,9 @@ Findings are kept as JSON in ``<findings>/<key>.json`` (by default ``docs/claims
 by git, so findings from different sessions merge and a fresh clone rebuilds the report) with
 the settings, the commit and the time they took, so the report can be built in parts
 (``--only``, ``--kind``) and merged; a kept finding is reused while its settings match.
-Training runs go under ``<workdir>`` (not tracked). `report` writes the markdown of
+Training runs go under ``<workdir>`` (not tracked); each finished run's key and summary are
+kept in the ledger, ``<findings>/ledger/`` (tracked, `Settings.kept`), so a fresh clone
+reads what earlier sessions trained. `report` writes the markdown of
 docs/claims.md from whatever findings are kept; a claim not run yet is listed with the
 command that runs it. The verdicts are computed by the experiments, never typed in.
 
@@ -81,6 +83,17 @@ class Settings:
         if self.tasks is not None and kind in (None, "train"):
             key["tasks"] = list(self.tasks)
         return key
+
+    def kept(self, run_dir) -> Path | None:
+        """Where the ledger keeps the run in `run_dir` (a directory under `workdir`): its key
+        and summary under ``<findings>/ledger/`` at the same relative path
+        (`train.claims.cache.keep`), tracked by git, so that a fresh clone reads the runs
+        that earlier sessions finished instead of training them again (a run is read only
+        under its key: the same config and code version). None with `quick`: tiny runs are
+        never kept."""
+        if self.quick:
+            return None
+        return Path(self.findings) / "ledger" / Path(run_dir).relative_to(self.workdir)
 
 
 @dataclasses.dataclass

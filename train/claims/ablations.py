@@ -135,7 +135,8 @@ def lm_dir(settings: Settings, arm: str, seed: int) -> Path:
 
 def lm_run(settings: Settings, arm: str, seed: int) -> dict:
     """One cached byte-LM mini run (`lm_config`)."""
-    return run_cache.trained(lm_config(arm, seed, settings.quick), lm_dir(settings, arm, seed))
+    path = lm_dir(settings, arm, seed)
+    return run_cache.trained(lm_config(arm, seed, settings.quick), path, copy=settings.kept(path))
 
 
 @claim(

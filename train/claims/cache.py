@@ -7,6 +7,11 @@ run whose key differs (or that has none: written before keys were kept) aside to
 resumed from its checkpoints by `train.loop.train_and_evaluate` (an interrupted claim
 loses at most the steps since the last checkpoint).
 
+A finished run's key and summary are also kept in a tracked ledger (`keep`, at the place
+`train.claims.Settings.kept` gives): the workdir holds checkpoints and is not tracked, so
+without the ledger a fresh clone would train every run again. `finished` reads the run's
+directory first, then its kept copy, under the same key either way.
+
 The code version hashes the ``*.py`` under `CODE_DIRS` except `EXCLUDED`:
 ``linattn_jax/`` (the mechanisms), ``kernels/`` (their kernels) and ``train/`` (models,
 data generators, optimiser, loop, distillation); left out are ``train/claims`` (this
@@ -172,9 +177,19 @@ def prepare(run_dir: Path, key: dict, log=print) -> bool:
 
 
 def finished(
-    run_dir: Path, key: dict, steps: int | None, name: str = "summary.json"
+    run_dir: Path, key: dict, steps: int | None, name: str = "summary.json", copy=None
 ) -> dict | None:
-    """The summary of a run of `key` that reached `steps` (read, not restored), else None."""
+    """The summary of a run of `key` that reached `steps` (read, not restored), else None:
+    from `run_dir`, else from its kept `copy` (`keep`; None: none). A run finished in
+    `run_dir` that `copy` lacks is kept there first."""
+    summary = _summary(run_dir, key, steps, name)
+    if summary is None:
+        return None if copy is None else _summary(copy, key, steps, name)
+    keep(run_dir, copy, name, overwrite=False)
+    return summary
+
+
+def _summary(run_dir: Path, key: dict, steps: int | None, name: str) -> dict | None:
     path = Path(run_dir) / name
     if read_key(run_dir) != key or not path.exists():
         return None
@@ -182,21 +197,43 @@ def finished(
     return summary if steps is None or summary.get("steps", steps) == steps else None
 
 
-def finished_run(config, run_dir: Path) -> dict | None:
-    """The summary of the training run of `config` in `run_dir` when it finished its
-    ``num_train_steps`` under the current key (`run_key`), else None."""
-    return finished(run_dir, run_key(config), int(config.num_train_steps))
+def keep(run_dir: Path, copy, name: str = "summary.json", overwrite: bool = True) -> None:
+    """Copies the key and the summary `name` of the finished run in `run_dir` to `copy`
+    (the run's place in the tracked ledger, `Settings.kept`; None: nothing is kept), so
+    that a fresh clone reads the run instead of training it again. Without `overwrite`, a
+    copy that already holds a summary under the same key is left as it is. Nothing is done
+    without a `copy`, or when `run_dir` holds no keyed summary `name`."""
+    run_dir = Path(run_dir)
+    key = read_key(run_dir)
+    if copy is None or key is None or not (run_dir / name).exists():
+        return
+    copy = Path(copy)
+    if read_key(copy) == key and (copy / name).exists() and not overwrite:
+        return
+    if copy.exists() and read_key(copy) != key:
+        shutil.rmtree(copy)  # another key's copy: its summaries are of another run
+    copy.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(run_dir / name, copy / name)
+    shutil.copyfile(run_dir / RUN_KEY, copy / RUN_KEY)
 
 
-def trained(config, run_dir: Path, log=print) -> dict:
+def finished_run(config, run_dir: Path, copy=None) -> dict | None:
+    """The summary of the training run of `config` in `run_dir` (or its kept `copy`) when
+    it finished its ``num_train_steps`` under the current key (`run_key`), else None."""
+    return finished(run_dir, run_key(config), int(config.num_train_steps), copy=copy)
+
+
+def trained(config, run_dir: Path, log=print, copy=None) -> dict:
     """The summary of the training run of `config` in `run_dir`: re-read when finished
-    under the same key (`run_key`), else trained (`train.loop.train_and_evaluate`, which
-    resumes from the run's checkpoints when its key matched)."""
+    under the same key (`run_key`) there or in its kept `copy`, else trained
+    (`train.loop.train_and_evaluate`, which resumes from the run's checkpoints when its key
+    matched) and kept in `copy` (`keep`)."""
     from train import loop
 
     key = run_key(config)  # hashes the code it runs: computed once
-    summary = finished(run_dir, key, int(config.num_train_steps))
+    summary = finished(run_dir, key, int(config.num_train_steps), copy=copy)
     if summary is None:
         prepare(run_dir, key, log=log)
         summary = loop.train_and_evaluate(config, run_dir)
+        keep(run_dir, copy)
     return summary

@@ -58,8 +58,11 @@ def _train_runs(settings: Settings, summaries: dict[Path, dict], tasks) -> dict[
     runs = dict(summaries)
     for task in tasks:
         for seed in range(settings.seeds):
-            path = _teacher_dir(settings, task, seed) / "summary.json"
-            runs[path.parent] = json.loads(path.read_text()) if path.exists() else {}
+            path = _teacher_dir(settings, task, seed)
+            copy, file = settings.kept(path), path / "summary.json"
+            if not file.exists() and copy is not None:  # trained by an earlier clone
+                file = copy / "summary.json"
+            runs[path] = json.loads(file.read_text()) if file.exists() else {}
     return run_seconds(settings, runs)
 
 
@@ -73,32 +76,40 @@ def _distill_key(settings: Settings, config) -> dict:
     return run_cache.run_key(config, mechanisms, stage1_steps=_stage1_steps(settings))
 
 
-def teacher_run(settings: Settings, task: str, seed: int) -> dict:
+def teacher_run(settings: Settings, task: str, seed: int, files: bool = False) -> dict:
     """The softmax teacher of `task` (mini) for `seed`, shared by that seed's students:
     trained to its last step (resumed from its checkpoints after an interruption) and
-    cached by its key (`train.claims.cache.trained`)."""
-    return run_cache.trained(
-        _teacher_config(settings, task, seed), _teacher_dir(settings, task, seed)
-    )
+    cached by its key (`train.claims.cache.trained`), read from the ledger
+    (`Settings.kept`) unless its `files` are needed (a student reads its checkpoint)."""
+    path, config = _teacher_dir(settings, task, seed), _teacher_config(settings, task, seed)
+    copy = settings.kept(path)
+    summary = run_cache.trained(config, path, copy=None if files else copy)
+    run_cache.keep(path, copy, overwrite=False)
+    return summary
 
 
 def _teacher_config(settings: Settings, task: str, seed: int):
     return teacher_config(_config(task, "softmax", seed, settings.quick))
 
 
-def distill_run(settings: Settings, student: str, seed: int, *, stage2: bool = True) -> dict:
+def distill_run(
+    settings: Settings, student: str, seed: int, *, stage2: bool = True, files: bool = False
+) -> dict:
     """One distillation of the listops mini teacher (`teacher_run`) into `student`, reused
-    while its key (config, stage 1 steps, code version) holds."""
+    while its key (config, stage 1 steps, code version) holds: from its directory, or from
+    the ledger (`Settings.kept`) unless its `files` are needed (a transfer reads its maps)."""
     workdir = _source_dir(settings, student, seed)
     config = _config(SOURCE, student, seed, settings.quick)
     key = _distill_key(settings, config)
-    summary = run_cache.finished(workdir, key, None, name="distill_summary.json")
+    name = "distill_summary.json"
+    copy = None if files else settings.kept(workdir)
+    summary = run_cache.finished(workdir, key, None, name=name, copy=copy)
     if summary is not None and ("stage2" in summary or not stage2):
         return summary
-    teacher_run(settings, SOURCE, seed)
-    if summary is None:
+    teacher_run(settings, SOURCE, seed, files=True)
+    if run_cache.finished(workdir, key, None, name=name) is None:
         run_cache.prepare(workdir, key)
-    return stages.distill(
+    summary = stages.distill(
         config,
         teacher_workdir=_teacher_dir(settings, SOURCE, seed),
         workdir=workdir,
@@ -106,6 +117,9 @@ def distill_run(settings: Settings, student: str, seed: int, *, stage2: bool = T
         stage2=stage2,
         log=lambda *_: None,
     )
+    if "stage2" in summary:  # a transfer's stage 1 alone is not this run's result
+        run_cache.keep(workdir, settings.kept(workdir), name)
+    return summary
 
 
 def _transfer_dir(settings: Settings, student: str, seed: int) -> Path:
@@ -116,13 +130,14 @@ def transfer_run(settings: Settings, student: str, seed: int) -> dict:
     """One kernel transfer: `student`'s stage 1 maps on the source task (`distill_run`,
     stage 1 only when not done) into the target task's student, against the target's
     teacher (`teacher_run`); reused while its key holds."""
-    source = distill_run(settings, student, seed, stage2=False)
     workdir = _transfer_dir(settings, student, seed)
     config = _config(TARGET, student, seed, settings.quick)
     key = _distill_key(settings, config)
-    s = run_cache.finished(workdir, key, None, name="transfer_summary.json")
+    name, copy = "transfer_summary.json", settings.kept(workdir)
+    s = run_cache.finished(workdir, key, None, name=name, copy=copy)
+    source = distill_run(settings, student, seed, stage2=False, files=s is None)
     if s is None:
-        teacher_run(settings, TARGET, seed)
+        teacher_run(settings, TARGET, seed, files=True)
         run_cache.prepare(workdir, key)
         s = stages.kernel_transfer(
             config,
@@ -132,6 +147,7 @@ def transfer_run(settings: Settings, student: str, seed: int) -> dict:
             stage1_steps=_stage1_steps(settings),
             log=lambda *_: None,
         )
+        run_cache.keep(workdir, copy, name)
     return {"source": source, "transfer": s}
 
 
@@ -160,11 +176,13 @@ def queued_run(settings: Settings, kind: str, arm: str, seed: int) -> tuple[dict
     return _distill_key(settings, config), path, name
 
 
-def finished_queued(kind: str, arm: str, spec: tuple[dict, Path, str]) -> dict | None:
+def finished_queued(
+    kind: str, arm: str, spec: tuple[dict, Path, str], copy=None
+) -> dict | None:
     """The summary of a finished queued run (a distillation's with its stage 2), else None;
-    `spec`: its `queued_run`."""
+    `spec`: its `queued_run`; `copy`: its place in the ledger (`Settings.kept`)."""
     key, path, name = spec
-    summary = run_cache.finished(path, key, None, name=name)
+    summary = run_cache.finished(path, key, None, name=name, copy=copy)
     if summary is not None and kind == "distill" and arm != "teacher" and "stage2" not in summary:
         return None
     return summary

@@ -143,11 +143,13 @@ def state(settings: Settings, run: Run) -> tuple[str, dict | None]:
     if run.task in distillation.QUEUE:
         spec = distillation.queued_run(settings, *run)
         key, path, _ = spec
-        summary = distillation.finished_queued(run.task, run.arm, spec)
+        summary = distillation.finished_queued(run.task, run.arm, spec, settings.kept(path))
     else:
         config, path = config_and_dir(settings, run)
         key = run_cache.run_key(config)  # hashes the code it runs: computed once
-        summary = run_cache.finished(path, key, int(config.num_train_steps))
+        summary = run_cache.finished(
+            path, key, int(config.num_train_steps), copy=settings.kept(path)
+        )
     if summary is not None:
         return "finished", summary
     if not path.exists():
@@ -176,7 +178,8 @@ def train(settings: Settings, run: Run) -> dict:
     `ablations.lm_run`, `distillation.train_queued`: the same config and directory)."""
     if run.task in distillation.QUEUE:
         return distillation.train_queued(settings, *run)
-    return run_cache.trained(*config_and_dir(settings, run))
+    config, path = config_and_dir(settings, run)
+    return run_cache.trained(config, path, copy=settings.kept(path))
 
 
 def result(run: Run, summary: dict) -> tuple[str, float]:

@@ -218,7 +218,8 @@ def train_run(settings: Settings, task: str, arm: str, seed: int, log=print) -> 
     """The summary of one table run: re-read when finished under the same key (config and
     code version), else trained (resumed from its checkpoints when its key matches)."""
     config = task_config(task, arm, seed, settings.quick)
-    return run_cache.trained(config, table_dir(settings, task, arm, seed), log=log)
+    path = table_dir(settings, task, arm, seed)
+    return run_cache.trained(config, path, log=log, copy=settings.kept(path))
 
 
 def run_table(settings: Settings, mechanisms=None, tasks=None, summaries=None, log=print):
@@ -255,7 +256,8 @@ def _softmax_ok(row: dict, task: str) -> bool:
 
 def _read_finished(settings, task, arm, seed) -> dict | None:
     config = task_config(task, arm, seed, settings.quick)
-    return run_cache.finished_run(config, table_dir(settings, task, arm, seed))
+    path = table_dir(settings, task, arm, seed)
+    return run_cache.finished_run(config, path, copy=settings.kept(path))
 
 
 def table_dir(settings: Settings, task: str, name: str, seed: int) -> Path:
