@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from linattn_jax import _checks, core
 from linattn_jax.ra_common import _check_samples, _masked_softmax, _sq_half
@@ -78,7 +79,8 @@ def ra_attention(
     k^_{m*} + eps`` and return ``f_n(omega_n) = sum_j softmax_j(omega_n . k^_j -
     |k^_j|^2 / 2) v_j``. ``E[out_n]`` is exactly softmax attention. `num_samples`
     S > 1 averages S independent draws (a `lax.scan`, one ``[B, H, Tq, Tk]`` score
-    matrix live at a time; the body is rematerialised for the backward pass).
+    matrix live at a time; the backward pass recomputes a draw's ``f`` from its kept draw,
+    `DRAW`).
     ``deterministic=True``: ``omega_n = q^_n + sum_m pi_nm k^_m`` (no rng).
 
     Unbiasedness needs the noise to match the proposal density: eps has unit variance in
@@ -104,6 +106,13 @@ def ra_attention(
 #: Queries per block of RA over a sequence of more than two blocks (`_ra`): one block's
 #: ``[B, H, block, Tk]`` score arrays at a time, not ``[B, H, Tq, Tk]``.
 QUERY_BLOCK = 128
+#: The name of a draw's chosen keys and its omega (`_ra_block`): a recomputed block or
+#: sample (`_REMAT`) keeps them, ``[B, H, Tq]`` and ``[B, Tq, H, d]``, so its backward pass
+#: recomputes only ``f(omega)``, not the proposal's scores, softmax and inverse CDF.
+DRAW = "ra_draw"
+_REMAT = functools.partial(
+    jax.checkpoint, prevent_cse=False, policy=jax.checkpoint_policies.save_only_these_names(DRAW)
+)
 
 
 def _ra(q, k, v, valid, bias, drop, rng, deterministic, num_samples):
@@ -115,7 +124,8 @@ def _ra(q, k, v, valid, bias, drop, rng, deterministic, num_samples):
     linear in ``f``'s weights, so ``E[out]`` is the same dropped-out softmax attention.
 
     Queries are independent: over more than ``2 * QUERY_BLOCK`` of them they are taken
-    `QUERY_BLOCK` at a time (a `lax.map`, each block recomputed in the backward pass), so
+    `QUERY_BLOCK` at a time (a `lax.map`; the backward pass recomputes a block's ``f`` from
+    its kept draws, `DRAW`, not its proposal), so
     the score arrays are one block's, not ``[B, H, Tq, Tk]``. With a threefry key the draws
     (indexed by position, `ra_draws`) and so the values are those of the whole pass; an
     "rbg" key's draws under `jax.vmap` depend on the batch, so they differ (equally
@@ -144,7 +154,7 @@ def _ra(q, k, v, valid, bias, drop, rng, deterministic, num_samples):
     split = [blocks(x, 1 if i == 0 else 2) for i, x in enumerate(per_query)]
     xs = tuple(x for x, _ in split)
 
-    @functools.partial(jax.checkpoint, prevent_cse=False)
+    @_REMAT
     def one_block(i, xs):
         args = [x if x is not None else same for x, (_, same) in zip(xs, split, strict=True)]
         return _ra_block(keys, i * c, kh, v32, *args)
@@ -180,8 +190,9 @@ def _ra_block(keys, offset, kh, v32, qh, valid, bias, drop):
         u, eps = ra_draws(key, b, tq, h, d, offset)
         idx = jnp.sum(cdf <= (u * cdf[..., -1])[..., None], axis=-1)  # first j with cdf_j > u
         idx = jnp.minimum(idx, last)  # u * total rounded up to total: the last valid key
+        idx = checkpoint_name(idx, DRAW)
         k_star = jnp.take_along_axis(kh_h, idx[..., None], axis=2)  # [B, H, Tq, d]
-        return f(qh + jnp.transpose(k_star, (0, 2, 1, 3)) + eps)
+        return f(checkpoint_name(qh + jnp.transpose(k_star, (0, 2, 1, 3)) + eps, DRAW))
 
     if keys.shape[0] == 1:
         return one(keys[0])
@@ -190,7 +201,7 @@ def _ra_block(keys, offset, kh, v32, qh, valid, bias, drop):
         return acc + one(key), None
 
     acc0 = jnp.zeros((b, tq, h, v32.shape[-1]), _f32)
-    total, _ = lax.scan(jax.checkpoint(body), acc0, keys)
+    total, _ = lax.scan(_REMAT(body), acc0, keys)
     return total / keys.shape[0]
 
 

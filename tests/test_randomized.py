@@ -154,6 +154,8 @@ def test_ra_matches_reference(causal, masked, num_samples, deterministic, blocke
     q, k, v = _qkv(0)
     mask = _lengths_mask([12, 7], 12) if masked else None
     rng = None if deterministic else _key(3)
+    if blocked and not deterministic:  # threefry: a position's draw is the same in any block
+        rng = jax.random.key(3)
     kw = dict(mask=mask, causal=causal, deterministic=deterministic, num_samples=num_samples)
     out, g = _out_and_grads(RA.attention, q, k, v, rng=rng, **kw)
     out_ref, g_ref = _out_and_grads(RA.reference, q, k, v, rng=rng, **kw)
@@ -163,6 +165,21 @@ def test_ra_matches_reference(causal, masked, num_samples, deterministic, blocke
         assert float(jnp.max(jnp.abs(x))) > 0
     if causal:  # query 0 sees only key 0: whatever the draw, its output is v_0
         _close(out[:, 0], v[:, 0], 1e-6)
+
+
+@pytest.mark.parametrize("num_samples", [1, 3])
+def test_ra_backward_recomputes_only_f(num_samples, monkeypatch):
+    """A recomputed query block keeps its draws (`ra.DRAW`: the chosen keys and omega), so
+    the backward pass does not redo the proposal's inverse CDF: the gradient's program has
+    the forward's one cumsum (two without the saved draws)."""
+    monkeypatch.setattr(ra, "QUERY_BLOCK", 4)
+    q, k, v = _qkv(0)
+
+    def loss(q, k, v):
+        return jnp.sum(RA.attention(q, k, v, {}, jax.random.key(3), num_samples=num_samples))
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+    assert jaxpr.count("cumsum[axis") == 1
 
 
 def test_ra_flax_form_in_query_blocks(monkeypatch):
