@@ -338,7 +338,7 @@ def _method() -> list[str]:
         "other arms are not trained. Estimated compute per claim (from the v1 runs' wall "
         "times) is given beside each pending claim.",
         "",
-        f"**Run cache.** {' '.join(cache.__doc__.split(chr(10) * 2)[1].split())} Code "
+        f"**Run cache.** {' '.join(' '.join(cache.__doc__.split(chr(10) * 2)[1:3]).split())} Code "
         f"version: the sha256 of {', '.join(cache.CODE_DIRS)} without "
         f"{', '.join(cache.EXCLUDED)}; a run's key leaves out the files private to the "
         "mechanisms it does not train (`train.claims.cache.private_files`: a change to one "

@@ -176,9 +176,7 @@ def queued_run(settings: Settings, kind: str, arm: str, seed: int) -> tuple[dict
     return _distill_key(settings, config), path, name
 
 
-def finished_queued(
-    kind: str, arm: str, spec: tuple[dict, Path, str], copy=None
-) -> dict | None:
+def finished_queued(kind: str, arm: str, spec: tuple[dict, Path, str], copy=None) -> dict | None:
     """The summary of a finished queued run (a distillation's with its stage 2), else None;
     `spec`: its `queued_run`; `copy`: its place in the ledger (`Settings.kept`)."""
     key, path, name = spec
