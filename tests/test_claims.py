@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -446,6 +447,57 @@ def test_ledger_keeps_finished_runs_for_a_fresh_workdir(tmp_path, monkeypatch):
     done = {"recovery": 0.9, "stage2": {"test": {"accuracy": 0.375}}}
     (path / name).write_text(json.dumps(done))
     assert runs.state(first, d) == ("finished", done) == runs.state(fresh, d)
+
+
+def test_ledger_distillation_reads_its_teacher_and_maps_from_files_it_needs(
+    tmp_path, monkeypatch
+):
+    """A fresh clone reads finished distillations, transfers and teachers from the ledger;
+    a transfer still to train retrains the teacher and stage 1 whose files it reads (the
+    ledger keeps summaries, not checkpoints); a stage 1 alone is not kept as a distillation."""
+    from train import loop
+    from train.claims import distillation
+
+    trained = []
+
+    def fake(name, summary):
+        def run(*args, workdir, **kw):
+            trained.append((name, Path(workdir).relative_to(tmp_path).parts[0]))
+            out = dict(summary, **({"stage2": {}} if kw.get("stage2") else {}))
+            (Path(workdir) / f"{name}_summary.json").write_text(json.dumps(out))
+            return out
+
+        return run
+
+    def teacher(config, workdir):
+        trained.append(("teacher", Path(workdir).relative_to(tmp_path).parts[0]))
+        summary = {"steps": int(config.num_train_steps), "test": {"accuracy": 0.6}}
+        (Path(workdir) / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    monkeypatch.setattr(loop, "train_and_evaluate", teacher)
+    monkeypatch.setattr(distillation.stages, "distill", fake("distill", {"recovery": 0.9}))
+    monkeypatch.setattr(distillation.stages, "kernel_transfer", fake("transfer", {"drop": 0.1}))
+
+    def clone(name):
+        return claims.Settings(seeds=1, workdir=tmp_path / name, findings=tmp_path / "f")
+
+    assert distillation.transfer_run(clone("a"), "hedgehog", 0)["transfer"]["drop"] == 0.1
+    assert trained == [("teacher", "a"), ("distill", "a"), ("teacher", "a"), ("transfer", "a")]
+    ledger = tmp_path / "f" / "ledger"
+    assert not list(ledger.rglob("distill_summary.json"))  # stage 1 only: not the claim's run
+    assert distillation.distill_run(clone("a"), "hedgehog", 0)["stage2"] == {}
+    assert len(list(ledger.rglob("distill_summary.json"))) == 1
+    trained.clear()
+    assert distillation.transfer_run(clone("b"), "hedgehog", 0)["transfer"]["drop"] == 0.1
+    assert "stage2" in distillation.distill_run(clone("b"), "hedgehog", 0)
+    assert distillation.teacher_run(clone("b"), "listops", 0)["test"]["accuracy"] == 0.6
+    assert trained == []  # all read from the ledger
+    for f in ledger.rglob("transfer_summary.json"):
+        f.unlink()
+    assert distillation.transfer_run(clone("c"), "hedgehog", 0)["transfer"]["drop"] == 0.1
+    assert sorted(trained) == [("distill", "c"), ("teacher", "c"), ("teacher", "c"),
+                               ("transfer", "c")]  # fmt: skip
 
 
 def test_every_claim_is_registered_with_its_rule_command_and_compute():
