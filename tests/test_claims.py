@@ -449,9 +449,7 @@ def test_ledger_keeps_finished_runs_for_a_fresh_workdir(tmp_path, monkeypatch):
     assert runs.state(first, d) == ("finished", done) == runs.state(fresh, d)
 
 
-def test_ledger_distillation_reads_its_teacher_and_maps_from_files_it_needs(
-    tmp_path, monkeypatch
-):
+def test_ledger_distillation_reads_its_teacher_and_maps_from_files_it_needs(tmp_path, monkeypatch):
     """A fresh clone reads finished distillations, transfers and teachers from the ledger;
     a transfer still to train retrains the teacher and stage 1 whose files it reads (the
     ledger keeps summaries, not checkpoints); a stage 1 alone is not kept as a distillation."""
