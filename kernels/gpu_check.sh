@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU check: compiled Pallas kernels against their references, then their timings and the
+# mechanisms' scaling on the GPU. Run from the repository root on a GPU machine with jax[cuda],
+# flax, optax, chex, pytest and ml_collections installed:
+#   OUT=/some/dir bash kernels/gpu_check.sh
+# Writes pytest_gpu.log, kernels_gpu.md and scaling_gpu.json under $OUT. PARTS picks the parts
+# (default "tests kernels scaling"); each stops at its own timeout (*_TIMEOUT_S: 300, 240, 400 s),
+# so on a leased machine with a 10-minute command limit run them in two calls. Seen on an H200
+# (jax 0.11.2), stop 45: the tests took over 130 s with 4 processes, the kernel bench over 110 s
+# (its last rows, Newton-Schulz at m = 256, were cut), the scaling about 25 s per mechanism.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cuda
+# Several test processes share the GPU: no process may take 75% of its memory up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+nvidia-smi -L
+python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+PARTS=${PARTS:-tests kernels scaling}
+# The kernels' and the Nystrom mechanisms' tests, compiled (impl="auto" is Pallas on a GPU).
+[[ " $PARTS " == *" tests "* ]] && timeout "${PYTEST_TIMEOUT_S:-300}" python3 -m pytest -v --tb=short -rf -o addopts="-m 'not slow'" -p no:cacheprovider -n 4 \
+  tests/test_kernels.py tests/test_nystrom.py tests/test_landmarks.py 2>&1 \
+  | tee "$OUT/pytest_gpu.log" | grep -E "FAILED|ERROR|passed|failed" | tail -60
+# Kernel timings at the design card's sizes (the defaults on a GPU).
+[[ " $PARTS " == *" kernels "* ]] && timeout "${KERNELS_TIMEOUT_S:-240}" python3 -m kernels.bench ${KERNELS_BENCH_ARGS:-} 2>&1 | tee "$OUT/kernels_gpu.md"
+# Mechanisms' time and memory against softmax on the GPU.
+MECHANISMS=${MECHANISMS:-softmax performer flexformer_s flexformer_n laplacian lara hedgehog nystromformer}
+[[ " $PARTS " == *" scaling "* ]] && timeout "${SCALING_TIMEOUT_S:-400}" python3 -m train.bench scaling --mechanisms $MECHANISMS \
+  --seq-lens ${SEQ_LENS:-1024 4096 16384} --modes noncausal causal --passes fwd fwd_bwd \
+  --repeats 10 --min-total-s 0.3 --time-limit-s 5 --mechanism-timeout-s 90 \
+  --out "$OUT/scaling_gpu.json" 2>&1 | tail -60
