@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -36,11 +35,6 @@ def _time(fn: Callable, *args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _progress(row) -> None:
-    """One measured row on stderr as soon as it is timed (a run cut short keeps its rows)."""
-    print("kernels.bench: " + format_table([row]).splitlines()[-1], file=sys.stderr, flush=True)
-
-
 def _l1_rows(bh: int, n: int, m: int, d: int, repeats: int, interpret: bool, skip_ref: bool):
     kx, ky, kw = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (1, bh, n, d), jnp.float32)
@@ -57,7 +51,6 @@ def _l1_rows(bh: int, n: int, m: int, d: int, repeats: int, interpret: bool, ski
         impls = {"reference": kernels.laplace_kernel_reference, **impls}
     rows = []
     for name, f in impls.items():
-        print(f"kernels.bench: {name} ...", file=sys.stderr, flush=True)
         fwd = jax.jit(f)
         bwd = jax.jit(jax.grad(lambda x, y, lam, f=f: jnp.sum(w * f(x, y, lam)), argnums=(0, 1, 2)))
         rows.append(
@@ -69,7 +62,6 @@ def _l1_rows(bh: int, n: int, m: int, d: int, repeats: int, interpret: bool, ski
                 _time(bwd, x, y, lam, repeats=repeats),
             )
         )
-        _progress(rows[-1])
     return rows
 
 
@@ -88,7 +80,6 @@ def _ns_rows(bh: int, m: int, iters: int, repeats: int, interpret: bool):
         )
     rows = []
     for name, f in impls.items():
-        print(f"kernels.bench: {name} ...", file=sys.stderr, flush=True)
         fwd = jax.jit(f)
         bwd = jax.jit(jax.grad(lambda a, f=f: jnp.sum(w * f(a))))
         rows.append(
@@ -100,7 +91,6 @@ def _ns_rows(bh: int, m: int, iters: int, repeats: int, interpret: bool):
                 _time(bwd, a, repeats=repeats),
             )
         )
-        _progress(rows[-1])
     return rows
 
 

@@ -263,7 +263,8 @@ def test_distillation_verdict_and_runs_from_the_summaries(tmp_path, monkeypatch)
     monkeypatch.setattr(distillation, "distill_run", fake_run)
     settings = claims.Settings(seeds=3, workdir=tmp_path, findings=tmp_path / "f")
     teacher = tmp_path / "distill" / "listops" / "teacher" / "seed0"
-    teacher.mkdir(parents=True)
+    config = distillation._teacher_config(settings, "listops", 0)
+    run_cache.prepare(teacher, run_cache.run_key(config))  # the teacher's own key
     (teacher / "summary.json").write_text(json.dumps({"wall_seconds": 30.0}))
     found = distillation.distillation(settings)
     assert found.verdict == claims.REPRODUCED  # recovers, and above both by > 2 stds

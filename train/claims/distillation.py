@@ -5,7 +5,6 @@ its key (config, stage steps and code version; `train.claims.cache`) holds."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from train import configs
@@ -58,11 +57,9 @@ def _train_runs(settings: Settings, summaries: dict[Path, dict], tasks) -> dict[
     runs = dict(summaries)
     for task in tasks:
         for seed in range(settings.seeds):
-            path = _teacher_dir(settings, task, seed)
-            copy, file = settings.kept(path), path / "summary.json"
-            if not file.exists() and copy is not None:  # trained by an earlier clone
-                file = copy / "summary.json"
-            runs[path] = json.loads(file.read_text()) if file.exists() else {}
+            path, config = _teacher_dir(settings, task, seed), _teacher_config(settings, task, seed)
+            key = run_cache.run_key(config)  # the teacher's own key (`teacher_run`)
+            runs[path] = run_cache.finished(path, key, None, copy=settings.kept(path)) or {}
     return run_seconds(settings, runs)
 
 
@@ -107,8 +104,7 @@ def distill_run(
     if summary is not None and ("stage2" in summary or not stage2):
         return summary
     teacher_run(settings, SOURCE, seed, files=True)
-    if run_cache.finished(workdir, key, None, name=name) is None:
-        run_cache.prepare(workdir, key)
+    run_cache.prepare(workdir, key)  # keeps a stage 1 run of this key, moves a stale one aside
     summary = stages.distill(
         config,
         teacher_workdir=_teacher_dir(settings, SOURCE, seed),
