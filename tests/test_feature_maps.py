@@ -130,7 +130,7 @@ def test_causal_features_in_the_scan_equal_the_whole_sequence_features(name, con
             )
             return jnp.sum(jnp.sin(out)), out
 
-        return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, params)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, params)
 
     (g_in, out_in), (g_whole, out_whole) = run(fm.bind(**config)), run(whole.bind(**config))
     np.testing.assert_allclose(out_in, out_whole, rtol=1e-5, atol=1e-6)
@@ -160,7 +160,8 @@ def test_noncausal_blocks_equal_the_whole_sequence_features(name):
             return jnp.sum(jnp.sin(out)), out
 
         scans = str(jax.make_jaxpr(loss)(q, k, v, params)).count(" scan[")
-        return scans, jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, params)
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+        return scans, grad(q, k, v, params)
 
     (scans, (g_in, out_in)), (no_scans, (g_whole, out_whole)) = run(fm), run(whole)
     assert (scans, no_scans) == ((0, 0) if name == "linear_elu" else (2, 0))
