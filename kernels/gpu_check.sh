@@ -6,8 +6,8 @@
 # Writes pytest_gpu.log, pytest_gpu_highest.log, kernels_gpu.md and scaling_gpu.json under
 # $OUT. PARTS picks the parts (default "tests kernels scaling"); each stops at its own timeout
 # (*_TIMEOUT_S: 300 (twice: the tests, then their failures at full matmul precision), 240,
-# 400 s), so on a leased machine with a 10-minute command limit run them in two calls. Seen on an H200
-# (jax 0.11.2), stop 45: the tests took over 130 s with 4 processes, the kernel bench over 110 s
+# 400 s), so on a leased machine with a 10-minute command limit run them in two calls. Seen on
+# an H200 (jax 0.11.2), stop 45: the tests took over 130 s with 4 processes, the kernel bench over 110 s
 # (its last rows, Newton-Schulz at m = 256, were cut), the scaling about 25 s per mechanism.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cuda
