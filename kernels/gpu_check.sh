@@ -21,12 +21,13 @@ PARTS=${PARTS:-tests kernels scaling}
 # The kernels' and the Nystrom mechanisms' tests, compiled (impl="auto" is Pallas on a GPU).
 # Then the failures again with float32 matmuls at full precision (a GPU's default for float32
 # is TF32): the tests that pass there failed on precision, not on the algorithm.
-TESTS="tests/test_kernels.py tests/test_nystrom.py tests/test_landmarks.py"
-CACHE="-o cache_dir=/tmp/gpu_check_pytest_cache"
-[[ " $PARTS " == *" tests "* ]] && timeout "${PYTEST_TIMEOUT_S:-300}" python3 -m pytest -v --tb=short -rf -o addopts="-m 'not slow'" $CACHE -n 4 \
-  $TESTS 2>&1 | tee "$OUT/pytest_gpu.log" | grep -E "FAILED|ERROR|passed|failed" | tail -60 \
-  && JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${PYTEST_TIMEOUT_S:-300}" python3 -m pytest -q --tb=line -rf \
-  -o addopts="-m 'not slow'" $CACHE --lf --lfnf=none -n 4 $TESTS 2>&1 | tee "$OUT/pytest_gpu_highest.log" | tail -30
+PYTEST=(timeout "${PYTEST_TIMEOUT_S:-300}" python3 -m pytest -rf -o "addopts=-m 'not slow'"
+  -o cache_dir=/tmp/gpu_check_pytest_cache -n 4
+  tests/test_kernels.py tests/test_nystrom.py tests/test_landmarks.py)
+[[ " $PARTS " == *" tests "* ]] && "${PYTEST[@]}" -v --tb=short 2>&1 | tee "$OUT/pytest_gpu.log" \
+  | grep -E "FAILED|ERROR|passed|failed" | tail -60 \
+  && JAX_DEFAULT_MATMUL_PRECISION=highest "${PYTEST[@]}" -q --tb=line --lf --lfnf=none 2>&1 \
+  | tee "$OUT/pytest_gpu_highest.log" | tail -30
 # Kernel timings at the design card's sizes (`python -m kernels.bench`'s GPU defaults), each
 # group's table printed as soon as it is timed, so that a run cut short keeps what it timed.
 # (Here, not in kernels/bench.py: every file under kernels/ is in the claims' run keys.)
