@@ -3,11 +3,12 @@
 # mechanisms' scaling on the GPU. Run from the repository root on a GPU machine with jax[cuda],
 # flax, optax, chex, pytest and ml_collections installed:
 #   OUT=/some/dir bash kernels/gpu_check.sh
-# Writes pytest_gpu.log, pytest_gpu_highest.log, kernels_gpu.md and scaling_gpu.json under
-# $OUT. PARTS picks the parts (default "tests kernels scaling"); each stops at its own timeout
-# (*_TIMEOUT_S: 300 (twice: the tests, then their failures at full matmul precision), 240,
-# 400 s), so on a leased machine with a 10-minute command limit run them in two calls. Seen on
-# an H200 (jax 0.11.2), stop 45: the tests took over 130 s with 4 processes, the kernel bench over 110 s
+# Writes pytest_gpu.log, pytest_gpu_highest.log, kernels_gpu.md, scaling_gpu.json and
+# causal_{scan,parallel}.json under $OUT. PARTS picks the parts (default "tests kernels scaling
+# causal"); each stops at its own timeout (*_TIMEOUT_S: 300 (twice: the tests, then their
+# failures at full matmul precision), 240, 400, 300 s), so on a leased machine with a 10-minute
+# command limit run them in two or three calls. Seen on an H200
+# (jax 0.11.2), stop 45: the tests took over 130 s with 4 processes, the kernel bench over 110 s
 # (its last rows, Newton-Schulz at m = 256, were cut), the scaling about 25 s per mechanism.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cuda
@@ -17,7 +18,7 @@ OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 nvidia-smi -L
 python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
-PARTS=${PARTS:-tests kernels scaling}
+PARTS=${PARTS:-tests kernels scaling causal}
 # The kernels' and the Nystrom mechanisms' tests, compiled (impl="auto" is Pallas on a GPU).
 # Then the failures again with float32 matmuls at full precision (a GPU's default for float32
 # is TF32): the tests that pass there failed on precision, not on the algorithm.
@@ -45,3 +46,12 @@ MECHANISMS=${MECHANISMS:-softmax performer flexformer_s flexformer_n laplacian l
   --seq-lens ${SEQ_LENS:-1024 4096 16384} --modes noncausal causal --passes fwd fwd_bwd \
   --repeats 10 --min-total-s 0.3 --time-limit-s 5 --mechanism-timeout-s 90 \
   --out "$OUT/scaling_gpu.json" 2>&1 | tail -60
+# The two causal forms (`linattn_jax.core.causal.CAUSAL_FORM`; "auto", above, is the parallel
+# one on a GPU), causal attention only, each against softmax in its own run.
+for FORM in scan parallel; do
+  [[ " $PARTS " == *" causal "* ]] && LINATTN_CAUSAL_FORM=$FORM timeout "${CAUSAL_TIMEOUT_S:-300}" \
+    python3 -m train.bench scaling --mechanisms ${CAUSAL_MECHANISMS:-softmax performer flexformer_n rfa} \
+    --seq-lens ${SEQ_LENS:-1024 4096 16384} --modes causal --passes fwd fwd_bwd \
+    --repeats 10 --min-total-s 0.3 --time-limit-s 5 --mechanism-timeout-s 90 \
+    --out "$OUT/causal_$FORM.json" 2>&1 | tail -30
+done

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from linattn_jax import core
+from linattn_jax.core import causal as core_causal
 
 
 def _features(seed, b=2, t=13, h=2, m=6, dv=5, signed=False):
@@ -322,3 +323,68 @@ def test_cos_sin_is_the_stacked_sum_of_sincos_with_its_gradient(terms):
         assert got.dtype == xi.dtype
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+
+
+# ------------------------------------------------------------ the parallel causal form
+@pytest.mark.parametrize("case", ["mask+scale", "decay", "floor"])
+def test_parallel_causal_form_matches_quadratic(monkeypatch, case):
+    """``CAUSAL_FORM="parallel"`` (the default on accelerators: every chunk at once, the
+    states before each by a parallel prefix) equals the quadratic reference, forward and
+    gradients: a ragged last chunk with masked keys and key log-scales (a running max that
+    moves across chunks), a decay, the floor's mass channel."""
+    monkeypatch.setattr(core_causal, "CAUSAL_FORM", "parallel")
+    assert core_causal.causal_form() == "parallel"
+    kw = dict(causal=True)
+    if case == "floor":
+        pq, pk, v = _signed_mass_features(11)
+        kw.update(den_floor=0.2, mask=jnp.arange(13)[None, :] < jnp.array([[13], [8]]))
+    else:
+        pq, pk, v = _features(5, t=13, signed=True)
+    if case == "mask+scale":
+        kw["mask"] = jax.random.bernoulli(jax.random.key(3), 0.7, (2, 13)).at[:, 0].set(True)
+        kw["key_log_scale"] = 3.0 * jax.random.normal(jax.random.key(4), (2, 13, 2))
+    elif case == "decay":
+        kw["log_decay"] = jax.nn.log_sigmoid(jax.random.normal(jax.random.key(9), (2, 13, 2)) + 1)
+
+    def run(fn, *a):
+        return fn(*a, **kw, **({"chunk_size": 4} if fn is core.linear_attention else {}))
+
+    _assert_fast_matches_reference(run, pq, pk, v)
+
+
+def test_parallel_causal_form_continues_a_state_as_the_scan_does(monkeypatch):
+    """`causal_linear_attention_from` (the sequence-parallel path's entry) under both forms:
+    the same output and final state from a non-empty initial state, with key log-scales and
+    the floor; and the parallel form's program has no sequential loop, forward or backward."""
+    pq, pk, v = _signed_mass_features(7, t=10)
+    ns = 2.0 * jax.random.normal(jax.random.key(8), (2, 10, 2))
+    first = core.block_state(pk[:, :3], v[:, :3], key_log_scale=ns[:, :3])
+
+    args = (pq[:, 3:], pk[:, 3:], v[:, 3:])
+    results = {}
+    for form in ("scan", "parallel"):
+        monkeypatch.setattr(core_causal, "CAUSAL_FORM", form)
+
+        def run(pq, pk, v):  # a new function per form: jit would reuse the other's trace
+            return core.causal_linear_attention_from(
+                first, pq, pk, v, chunk_size=3, key_log_scale=ns[:, 3:], den_floor=0.2
+            )
+
+        loss = lambda *a: jnp.sum(jnp.sin(run(*a)[0]))  # noqa: E731
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        results[form] = (jax.jit(run)(*args), grad(*args))
+        text = jax.jit(run).lower(*args).as_text() + grad.lower(*args).as_text()
+        assert ("while" in text) == (form == "scan"), form
+    (out_s, st_s), g_s = results["scan"]
+    (out_p, st_p), g_p = results["parallel"]
+    np.testing.assert_allclose(out_p, out_s, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves((st_p, g_p)), jax.tree.leaves((st_s, g_s)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_causal_form_resolves_and_checks(monkeypatch):
+    monkeypatch.setattr(core_causal, "CAUSAL_FORM", "auto")
+    assert core_causal.causal_form() == ("scan" if jax.default_backend() == "cpu" else "parallel")
+    monkeypatch.setattr(core_causal, "CAUSAL_FORM", "fast")
+    with pytest.raises(ValueError, match="must be one of"):
+        core.linear_attention(*_features(0, t=4), causal=True)

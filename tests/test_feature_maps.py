@@ -10,6 +10,7 @@ from _helpers import init, mech, qkv
 
 import linattn_jax as la
 from linattn_jax import core
+from linattn_jax.core import causal as core_causal
 
 #: The feature-map mechanisms; every other mechanism has ``feature_map is None``.
 FEATURE_MAP_NAMES = ["linear_elu", "performer", "rfa", "hedgehog", "flexformer_s", "flexformer_n"]
@@ -135,6 +136,40 @@ def test_causal_features_in_the_scan_equal_the_whole_sequence_features(name, con
     (g_in, out_in), (g_whole, out_whole) = run(fm.bind(**config)), run(whole.bind(**config))
     np.testing.assert_allclose(out_in, out_whole, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(g_in), jax.tree.leaves(g_whole), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("name", "config"), [("performer", {}), ("flexformer_n", {}), ("rfa", {"gate": True})], ids=str
+)
+def test_parallel_causal_form_of_a_token_wise_map_equals_the_scan(monkeypatch, name, config):
+    """The accelerators' causal form (`core.causal.CAUSAL_FORM` "parallel": every chunk's
+    features at once, the states by a parallel prefix) of a token-wise map equals the scan
+    of the whole sequence's features, forward and gradients with params: performer's key
+    log-scales, the flexformers' floor, gated rfa's decay; ragged chunks, masked keys."""
+    m = mech(name, **config)
+    params = init(m)
+    q, k, v = qkv(seed=5, tq=11, tk=11)
+    mask = jnp.arange(11)[None, :] < jnp.array([[11], [6]])
+    fm = m.feature_map.bind(**config)
+
+    def run(f, form):
+        monkeypatch.setattr(core_causal, "CAUSAL_FORM", form)
+
+        def loss(q, k, v, p):
+            out = core.attend_features(
+                f, q, k, v, p, mask=mask, causal=True, deterministic=True, chunk_size=4
+            )
+            return jnp.sum(jnp.sin(out)), out
+
+        # jitted (one compile instead of op-by-op dispatch); `loss` is new per call, so
+        # the two forms are traced apart
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, params)
+
+    g_par, out_par = run(fm, "parallel")
+    g_scan, out_scan = run(dataclasses.replace(fm, token_wise=False), "scan")
+    np.testing.assert_allclose(out_par, out_scan, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_par), jax.tree.leaves(g_scan), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 

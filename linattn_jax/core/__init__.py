@@ -9,7 +9,8 @@ with the sums over unmasked keys (and j <= i when causal). Feature maps give
 into ``[B, Tq, H, Dv]`` outputs:
 
 * `linear_attention`: non-causal as two einsums, causal as chunked prefix sums
-  (quadratic inside a chunk, a `lax.scan` over chunk states across chunks),
+  (quadratic inside a chunk, the chunk states carried across chunks by a `lax.scan`, or
+  on accelerators by a parallel prefix: `core.causal.CAUSAL_FORM`),
   with an optional per-token decay (the gated recurrence of RFA).
 * `quadratic_reference`: the naive masked quadratic form of the same features,
   ``(phi(Q) phi(K)^T * tril) V / rowsum``: the oracle the fast paths are
@@ -37,7 +38,7 @@ form and its in-scan variant), `linattn_jax.core.recurrent` (`RecurrentState`,
 feature-map protocol, `sincos`, `cos_sin`, `scale_inputs`). Every public name is re-exported here.
 """
 
-from linattn_jax.core.causal import causal_linear_attention_from
+from linattn_jax.core.causal import causal_form, causal_linear_attention_from
 from linattn_jax.core.common import (
     DENOMINATOR_EPS,
     denominator_floor,
@@ -71,6 +72,7 @@ __all__ = [
     "RecurrentState",
     "attend_features",
     "block_state",
+    "causal_form",
     "causal_linear_attention_from",
     "combine_states",
     "recurrent_init",

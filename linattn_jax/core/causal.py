@@ -1,13 +1,17 @@
-"""The causal form of linear attention: chunked prefix sums (quadratic inside a chunk, a
-`lax.scan` over chunk states across chunks), from precomputed features
+"""The causal form of linear attention: chunked prefix sums (quadratic inside a chunk, the
+chunk states carried across chunks), from precomputed features
 (`causal_linear_attention_from`, `_causal_chunked`) or with a token-wise feature map's
-features computed chunk by chunk inside the scan (`_causal_fused`); both run `_chunk_scan`.
+features computed chunk by chunk inside the scan (`_causal_fused`); both run `_chunks`,
+which carries the states by a `lax.scan` (`_chunk_scan`) or by a parallel prefix over the
+chunks (`_chunk_parallel`), as `CAUSAL_FORM` says.
 `_fused_block_state` is the key summary (`block_state`) of such a map, likewise chunk by
 chunk: the sequence-parallel causal pass (`linattn_jax.parallel`) gathers it across devices
 and starts `_causal_fused` from the devices' before it.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +33,38 @@ from linattn_jax.core.common import (
     key_mask,
 )
 from linattn_jax.core.recurrent import RecurrentState, block_state, combine_states, recurrent_init
+
+#: How the causal form carries its chunk states: ``"scan"`` (`_chunk_scan`: a `lax.scan`,
+#: one chunk after another, features computed inside it: the least memory, and on CPU the
+#: fastest), ``"parallel"`` (`_chunk_parallel`: every chunk at once, the states before each
+#: by a parallel prefix, log depth in the number of chunks: for accelerators, where the
+#: scan's small sequential steps are latency-bound; it holds every chunk's features and
+#: state, ``T / chunk_size x B x H x M x (Dv + 1)`` floats, where the scan holds one: set
+#: ``"scan"`` when that does not fit) or ``"auto"``: the scan on CPU, the parallel form on
+#: any other backend. Both give the same values to rounding. Read when a function is traced
+#: (a jitted function keeps the form it was traced with). Its default comes from the
+#: environment variable ``LINATTN_CAUSAL_FORM`` (unset: ``"auto"``), so that a benchmark's
+#: subprocesses share it.
+CAUSAL_FORM = os.environ.get("LINATTN_CAUSAL_FORM", "auto")
+_FORMS = ("auto", "scan", "parallel")
+
+
+def causal_form() -> str:
+    """The form `CAUSAL_FORM` picks on the default backend: ``"scan"`` or ``"parallel"``."""
+    if CAUSAL_FORM not in _FORMS:
+        raise ValueError(
+            f"core.causal.CAUSAL_FORM (default: env LINATTN_CAUSAL_FORM) must be one of "
+            f"{_FORMS}, got {CAUSAL_FORM!r}"
+        )
+    if CAUSAL_FORM == "auto":
+        return "scan" if jax.default_backend() == "cpu" else "parallel"
+    return CAUSAL_FORM
+
+
+def _chunks(prepare, xs, t, eps, initial_state, den_floor):
+    """`_chunk_scan` or `_chunk_parallel` (`causal_form`), same arguments and result."""
+    run = _chunk_scan if causal_form() == "scan" else _chunk_parallel
+    return run(prepare, xs, t, eps, initial_state, den_floor)
 
 
 def _chunking(t: int, chunk_size: int):
@@ -93,7 +129,7 @@ def _causal_chunked(
         return jnp.moveaxis(x.reshape(b, h, n, c, *x.shape[3:]), 2, 0)
 
     xs = (phi_q, phi_k, _append_ones(v), log_decay, ns, mass)  # padded keys: phi_k = 0
-    return _chunk_scan(lambda x: x, tuple(map(chunks, xs)), t, eps, initial_state, den_floor)
+    return _chunks(lambda x: x, tuple(map(chunks, xs)), t, eps, initial_state, den_floor)
 
 
 def _token_chunks(chunk_size, mask, v, *xs):
@@ -133,7 +169,8 @@ def _chunk_keys(fmap, params, kc, keepc, config):
 def _causal_fused(fmap, params, q, k, v, mask, chunk_size, den_floor, config, initial_state=None):
     """Causal `linear_attention` of a token-wise `FeatureMap` with its features computed
     chunk by chunk inside the scan, so the forward pass never holds the ``[B, T, H, M]``
-    features of the whole sequence (one chunk's at a time, in cache). Equal to
+    features of the whole sequence (one chunk's at a time, in cache; the parallel form of
+    `CAUSAL_FORM` computes every chunk's at once). Equal to
     ``linear_attention(fmap.query(q), fmap.key(k).phi, v, causal=True, ...)`` to rounding
     (tested for every token-wise map); ``[B, T, H, Dv]`` float32. `initial_state`: the
     `RecurrentState` of the keys before this sequence (as `causal_linear_attention_from`;
@@ -158,7 +195,7 @@ def _causal_fused(fmap, params, q, k, v, mask, chunk_size, den_floor, config, in
         return (pq, pk, jnp.swapaxes(_append_ones(vc.astype(_f32)), 1, 2), ld, ns, mass)
 
     xs = _token_chunks(chunk_size, mask, v, q, k)
-    return _chunk_scan(prepare, xs, t, DENOMINATOR_EPS, initial_state, den_floor)[0]
+    return _chunks(prepare, xs, t, DENOMINATOR_EPS, initial_state, den_floor)[0]
 
 
 def _fused_block_state(fmap, params, k, v, mask, chunk_size, config):
@@ -190,53 +227,50 @@ def _fused_block_state(fmap, params, k, v, mask, chunk_size, config):
     return lax.scan(step, init, (vc, keepc, kc, real))[0]
 
 
-def _chunk_scan(prepare, xs, t, eps, initial_state, den_floor):
-    """The chunked causal recurrence over `xs` (leading axis: the n chunks of length c).
+def _chunk_output(carry, prepared, tril, eps, den_floor):
+    """One chunk's output ``[B, H, c, Dv]``: the chunk's keys up to each query (a masked
+    quadratic form) plus the `carry` ``(sz, zm, mp)`` of the keys before the chunk
+    (`_chunk_scan`)."""
+    sz, zm, mp = carry
+    pq, pk, vc, ld, nc, mc = prepared  # heads first; vc: [v | 1]
+    # Cumulative log-decay inside the chunk: G_t = sum_{l <= t} log g_l.
+    gc = jnp.cumsum(ld, axis=-1)
+    # Running max of the key log-scales up to each position (detached; it cancels).
+    cm = lax.stop_gradient(jnp.maximum(mp[..., None], lax.cummax(nc, axis=2)))  # [B, H, c]
+    # Intra-chunk weights exp(G_i - G_j + n_j - cm_i) for j <= i (all <= 1).
+    logw = gc[..., :, None] - gc[..., None, :] + nc[..., None, :] - cm[..., :, None]
+    weight = jnp.where(tril, jnp.exp(jnp.where(tril, logw, 0.0)), 0.0)  # [B, H, c, c]
+    scores = jnp.einsum("bhim,bhjm->bhij", pq, pk) * weight
+    nd = jnp.einsum("bhij,bhjd->bhid", scores, vc)  # [B, H, c, Dv + 1]
+    # Inter-chunk: the carried state decayed to position i by exp(G_i), rescaled to cm_i.
+    carry_scale = jnp.exp(gc + mp[..., None] - cm)  # [B, H, c]
+    nd = nd + jnp.einsum("bhim,bhmd->bhid", pq * carry_scale[..., None], sz)
+    num, den = _split_last(nd)
+    floor = None
+    if den_floor:  # the mass channel under the same weights
+        mass_i = jnp.einsum("bhij,bhj->bhi", weight, mc) + carry_scale * zm[..., None]
+        floor = denominator_floor(pq, mass_i, den_floor)
+    return num / guard_denominator(den, eps, floor)[..., None]
 
-    ``prepare(x)`` maps one chunk of `xs` to its heads-first ``(pq [B, H, c, M],
-    pk [B, H, c, M], [v | 1] [B, H, c, Dv + 1], log_decay, ns, mass [B, H, c])``, the keys
-    already masked; `t` is the unpadded length. Returns ``(out [B, t, H, Dv],
-    RecurrentState)`` as `_causal_chunked`.
-    """
-    shapes = jax.eval_shape(prepare, jax.tree.map(lambda x: x[0], xs))
-    b, h, c, m = shapes[0].shape
-    dv = shapes[2].shape[-1] - 1
-    tril = jnp.tril(jnp.ones((c, c), bool))
 
-    def step(carry, x):
-        # State before this chunk, kept relative to the running key max mp:
-        # s = sum_j exp(n_j - mp) phi(k_j) v_j^T  [B, H, M, Dv], z likewise [B, H, M],
-        # carried as one sz = [s | z] [B, H, M, Dv + 1] (the values as [v | 1]), so that
-        # each product gives a numerator and its denominator together.
-        sz, zm, mp = carry
-        pq, pk, vc, ld, nc, mc = prepare(x)  # heads first; vc: [v | 1]
-        # Cumulative log-decay inside the chunk: G_t = sum_{l <= t} log g_l.
-        gc = jnp.cumsum(ld, axis=-1)
-        # Running max of the key log-scales up to each position (detached; it cancels).
-        cm = lax.stop_gradient(jnp.maximum(mp[..., None], lax.cummax(nc, axis=2)))  # [B, H, c]
-        # Intra-chunk weights exp(G_i - G_j + n_j - cm_i) for j <= i (all <= 1).
-        logw = gc[..., :, None] - gc[..., None, :] + nc[..., None, :] - cm[..., :, None]
-        weight = jnp.where(tril, jnp.exp(jnp.where(tril, logw, 0.0)), 0.0)  # [B, H, c, c]
-        scores = jnp.einsum("bhim,bhjm->bhij", pq, pk) * weight
-        nd = jnp.einsum("bhij,bhjd->bhid", scores, vc)  # [B, H, c, Dv + 1]
-        # Inter-chunk: the carried state decayed to position i by exp(G_i), rescaled to cm_i.
-        carry_scale = jnp.exp(gc + mp[..., None] - cm)  # [B, H, c]
-        nd = nd + jnp.einsum("bhim,bhmd->bhid", pq * carry_scale[..., None], sz)
-        num, den = _split_last(nd)
-        floor = None
-        if den_floor:  # the mass channel under the same weights
-            mass_i = jnp.einsum("bhij,bhj->bhi", weight, mc) + carry_scale * zm[..., None]
-            floor = denominator_floor(pq, mass_i, den_floor)
-        out = num / guard_denominator(den, eps, floor)[..., None]
-        # State after the chunk: old state decayed by exp(G_last), new keys by
-        # exp(G_last - G_j), all relative to the new running max.
-        g_last, m_new = gc[..., -1], cm[..., -1]  # [B, H]
-        w = jnp.exp(g_last[..., None] - gc + nc - m_new[..., None])  # [B, H, c]
-        old = jnp.exp(g_last + mp - m_new)
-        sz = sz * old[..., None, None] + jnp.einsum("bhjm,bhjd->bhmd", pk, vc * w[..., None])
-        zm = zm * old + jnp.sum(mc * w, axis=-1)
-        return (sz, zm, m_new), out
+def _chunk_update(carry, prepared):
+    """The carry ``(sz, zm, mp)`` after one chunk's keys (`_chunk_scan`): the old state
+    decayed by ``exp(G_last)``, the chunk's keys by ``exp(G_last - G_j)``, all relative to
+    the new running max of the key log-scales."""
+    sz, zm, mp = carry
+    _, pk, vc, ld, nc, mc = prepared
+    gc = jnp.cumsum(ld, axis=-1)
+    g_last = gc[..., -1]  # [B, H]
+    m_new = lax.stop_gradient(jnp.maximum(mp, jnp.max(nc, axis=-1)))
+    w = jnp.exp(g_last[..., None] - gc + nc - m_new[..., None])  # [B, H, c]
+    old = jnp.exp(g_last + mp - m_new)
+    sz = sz * old[..., None, None] + jnp.einsum("bhjm,bhjd->bhmd", pk, vc * w[..., None])
+    zm = zm * old + jnp.sum(mc * w, axis=-1)
+    return sz, zm, m_new
 
+
+def _initial_carry(initial_state, b, h, m, dv, den_floor):
+    """``(sz, zm, mp)`` of `initial_state` (None: no keys before), `_chunk_scan`'s carry."""
     if initial_state is None:
         s0, z0, c0 = recurrent_init(b, h, m, dv)
         zm0 = jnp.zeros((b, h), _f32)
@@ -245,12 +279,87 @@ def _chunk_scan(prepare, xs, t, eps, initial_state, den_floor):
         z0, zm0 = _split_last(initial_state.z)
     else:
         (s0, z0, c0), zm0 = initial_state, jnp.zeros((b, h), _f32)
-    sz0 = jnp.concatenate([s0, z0[..., None]], axis=-1)
-    (sz, zm, c_last), out = lax.scan(step, (sz0, zm0, c0), xs)  # out [n, B, H, c, Dv]
+    return jnp.concatenate([s0, z0[..., None]], axis=-1), zm0, c0
+
+
+def _final_state(carry, den_floor):
+    """The `RecurrentState` of the final carry (the mass channel as z's last column)."""
+    sz, zm, c_last = carry
     s, z = _split_last(sz)
-    n = out.shape[0]
-    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, dv).swapaxes(1, 2)
     if den_floor:
         s = jnp.concatenate([s, jnp.zeros_like(s[..., :1, :])], axis=-2)
         z = jnp.concatenate([z, zm[..., None]], axis=-1)
-    return out[:, :t], RecurrentState(s, z, c_last)
+    return RecurrentState(s, z, c_last)
+
+
+def _combine_carries(first, second):
+    """The carry of two consecutive runs of chunks from each one's own carry, for
+    `lax.associative_scan` (leading axis batched): `first` decayed by `second`'s total log
+    decay and both rescaled to the larger running max. A carry here is ``(sz, zm, mp, g)``,
+    g the total log decay of its chunks."""
+    sz1, zm1, m1, g1 = first
+    sz2, zm2, m2, g2 = second
+    m = lax.stop_gradient(jnp.maximum(m1, m2))
+    a, b = jnp.exp(g2 + m1 - m), jnp.exp(m2 - m)
+    return (
+        sz1 * a[..., None, None] + sz2 * b[..., None, None],
+        zm1 * a + zm2 * b,
+        m,
+        g1 + g2,
+    )
+
+
+def _chunk_parallel(prepare, xs, t, eps, initial_state, den_floor):
+    """`_chunk_scan`'s result with the chunks taken side by side instead of one after
+    another: each chunk's own carry from an empty one (`_chunk_update`), the carries before
+    every chunk by a parallel prefix (`lax.associative_scan` of `_combine_carries`), then
+    every chunk's output at once (`_chunk_output`). Log depth in the number of chunks
+    instead of a sequential loop (for accelerators, where the loop's small steps are
+    latency-bound), at the memory of every chunk's features and carry."""
+    prepared = jax.vmap(prepare)(xs)
+    n, b, h, c, m = prepared[0].shape
+    dv = prepared[2].shape[-1] - 1
+    tril = jnp.tril(jnp.ones((c, c), bool))
+    empty = _initial_carry(None, b, h, m, dv, den_floor)
+    own = jax.vmap(lambda p: _chunk_update(empty, p))(prepared)  # [n, ...]
+    total = jnp.sum(prepared[3], axis=-1)  # each chunk's total log decay [n, B, H]
+    first = (*_initial_carry(initial_state, b, h, m, dv, den_floor), jnp.zeros((b, h), _f32))
+    carries = jax.tree.map(lambda x0, xs_: jnp.concatenate([x0[None], xs_]), first, (*own, total))
+    prefix = lax.associative_scan(_combine_carries, carries)  # [n + 1, ...]: after 0..n chunks
+    before = jax.tree.map(lambda x: x[:-1], prefix[:3])
+    out = jax.vmap(lambda cy, p: _chunk_output(cy, p, tril, eps, den_floor))(before, prepared)
+    return _unchunk(out, t), _final_state(jax.tree.map(lambda x: x[-1], prefix[:3]), den_floor)
+
+
+def _chunk_scan(prepare, xs, t, eps, initial_state, den_floor):
+    """The chunked causal recurrence over `xs` (leading axis: the n chunks of length c).
+
+    ``prepare(x)`` maps one chunk of `xs` to its heads-first ``(pq [B, H, c, M],
+    pk [B, H, c, M], [v | 1] [B, H, c, Dv + 1], log_decay, ns, mass [B, H, c])``, the keys
+    already masked; `t` is the unpadded length. Returns ``(out [B, t, H, Dv],
+    RecurrentState)`` as `_causal_chunked`.
+
+    The carry is the state before a chunk, kept relative to the running key max mp:
+    ``s = sum_j exp(n_j - mp) phi(k_j) v_j^T`` ``[B, H, M, Dv]``, z likewise ``[B, H, M]``,
+    carried as one ``sz = [s | z]`` ``[B, H, M, Dv + 1]`` (the values as ``[v | 1]``), so
+    that each product gives a numerator and its denominator together; ``zm`` ``[B, H]`` is
+    the floor's mass channel.
+    """
+    shapes = jax.eval_shape(prepare, jax.tree.map(lambda x: x[0], xs))
+    b, h, c, m = shapes[0].shape
+    dv = shapes[2].shape[-1] - 1
+    tril = jnp.tril(jnp.ones((c, c), bool))
+
+    def step(carry, x):
+        prepared = prepare(x)
+        out = _chunk_output(carry, prepared, tril, eps, den_floor)
+        return _chunk_update(carry, prepared), out
+
+    carry, out = lax.scan(step, _initial_carry(initial_state, b, h, m, dv, den_floor), xs)
+    return _unchunk(out, t), _final_state(carry, den_floor)
+
+
+def _unchunk(out, t):
+    """Chunk outputs ``[n, B, H, c, Dv]`` -> ``[B, t, H, Dv]`` (the padding dropped)."""
+    n, b, h, c, dv = out.shape
+    return jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, dv).swapaxes(1, 2)[:, :t]

@@ -77,6 +77,7 @@ def environment() -> dict[str, Any]:
         load = None
     return {
         "backend": jax.default_backend(),
+        "causal_form": la.core.causal_form(),  # the chunked causal form's (CAUSAL_FORM)
         "devices": [str(d) for d in jax.devices()[:1]],
         "device_count": jax.device_count(),
         "cpu_count": os.cpu_count(),
