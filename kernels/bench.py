@@ -2,9 +2,11 @@
 
 Times the naive reference, the xla path and the Pallas path (compiled on GPU, interpreted on
 CPU, where the numbers only show that it runs) of `l1_distance` / `laplace_kernel` and
-`newton_schulz_inverse`, forward and forward+backward, and prints a markdown table; then the
-Newton-Schulz residual ``max |P V - I|`` against the iteration count on landmark matrices
-like the Nystrom mechanisms build (segment means; ``--residual-only`` prints just that).
+`newton_schulz_inverse`, forward and forward+backward, and prints a markdown table (each
+group's rows also on stderr as soon as they are timed, so that a run cut short keeps them);
+then the Newton-Schulz residual ``max |P V - I|`` against the iteration count on landmark
+matrices like the Nystrom mechanisms build (segment means; ``--residual-only`` prints just
+that).
 
 GPU defaults follow the design card: L1 with N = M = 4096, D = 64 (B*H = 1: the reference
 materialises [B*H, N, M, D]) and Newton-Schulz with m in {64, 128, 256} over B*H = 64. CPU
@@ -14,7 +16,9 @@ defaults are much smaller; every size is a flag.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -170,15 +174,26 @@ def main(argv: Sequence[str] | None = None) -> str:
     p.add_argument("--residual-only", action="store_true", help="print only the residual table")
     args = p.parse_args(argv)
     interpret = not on_gpu
-    residuals = residual_table(args.residual_m, args.residual_iters)
     if args.residual_only:
+        residuals = residual_table(args.residual_m, args.residual_iters)
         print(residuals)
         return residuals
-    rows = _l1_rows(
-        args.l1_bh, args.n, args.m, args.d, args.repeats, interpret, args.skip_l1_reference
-    )
-    for m in args.ns_sizes:
-        rows += _ns_rows(args.ns_bh, m, args.iters, args.repeats, interpret)
+    groups = [
+        lambda: _l1_rows(
+            args.l1_bh, args.n, args.m, args.d, args.repeats, interpret, args.skip_l1_reference
+        )
+    ]
+    groups += [
+        functools.partial(_ns_rows, args.ns_bh, m, args.iters, args.repeats, interpret)
+        for m in args.ns_sizes
+    ]
+    rows = []
+    for group in groups:
+        timed = group()
+        rows += timed
+        # each group as soon as it is timed, on stderr: a run cut short keeps what it timed
+        print(format_table(timed), file=sys.stderr, flush=True)
+    residuals = residual_table(args.residual_m, args.residual_iters)
     mode = "compiled" if on_gpu else "interpret mode (CPU: not a speed measurement)"
     table = f"backend: {jax.default_backend()}; Pallas {mode}\n\n" + format_table(rows)
     table += "\n\nNewton-Schulz residual max|PV - I| against iterations:\n\n" + residuals

@@ -29,17 +29,10 @@ PYTEST=(timeout "${PYTEST_TIMEOUT_S:-300}" python3 -m pytest -rf -o "addopts=-m 
   | grep -E "FAILED|ERROR|passed|failed" | tail -60 \
   && JAX_DEFAULT_MATMUL_PRECISION=highest "${PYTEST[@]}" -q --tb=line --lf --lfnf=none 2>&1 \
   | tee "$OUT/pytest_gpu_highest.log" | tail -30
-# Kernel timings at the design card's sizes (`python -m kernels.bench`'s GPU defaults), each
-# group's table printed as soon as it is timed, so that a run cut short keeps what it timed.
-# (Here, not in kernels/bench.py: every file under kernels/ is in the claims' run keys.)
-[[ " $PARTS " == *" kernels "* ]] && timeout "${KERNELS_TIMEOUT_S:-240}" python3 - <<'PY' 2>&1 | tee "$OUT/kernels_gpu.md"
-from kernels import bench
-
-print(bench.format_table(bench._l1_rows(1, 4096, 4096, 64, 5, False, False)), flush=True)
-for m in (64, 128, 256):
-    print(bench.format_table(bench._ns_rows(64, m, 20, 5, False)), flush=True)
-print(bench.residual_table(64, [10, 20, 30, 40, 60]))
-PY
+# Kernel timings at the design card's sizes (`python -m kernels.bench`'s GPU defaults); the bench
+# prints each group's table as soon as it is timed, so that a run cut short keeps what it timed.
+[[ " $PARTS " == *" kernels "* ]] && timeout "${KERNELS_TIMEOUT_S:-240}" python3 -m kernels.bench 2>&1 \
+  | tee "$OUT/kernels_gpu.md"
 # Mechanisms' time and memory against softmax on the GPU.
 MECHANISMS=${MECHANISMS:-softmax performer flexformer_s flexformer_n laplacian lara hedgehog nystromformer}
 [[ " $PARTS " == *" scaling "* ]] && timeout "${SCALING_TIMEOUT_S:-400}" python3 -m train.bench scaling --mechanisms $MECHANISMS \

@@ -353,6 +353,7 @@ def test_code_version_keys_the_mechanism_and_training_sources(tmp_path):
         "linattn_jax/b.py": "from linattn_jax.a import f\n",  # b runs a (flexformer: performer)
         "linattn_jax/c.py": "x = 1\n",
         "kernels/k.py": "x = 1\n",  # reached by nothing: hashed for every run
+        "kernels/bench.py": "x = 1\n",  # the kernels' benchmark: excluded
         "train/loop.py": "import linattn_jax\n",
         "train/claims/c.py": "x = 1\n",
         "train/bench/d.py": "x = 1\n",
@@ -372,6 +373,7 @@ def test_code_version_keys_the_mechanism_and_training_sources(tmp_path):
     v0 = versions()
     assert len(set(v0.values())) == 4
     for rel, moved in [("train/claims/c.py", ""), ("train/bench/d.py", ""),  # the report's code
+                       ("kernels/bench.py", ""),
                        ("linattn_jax/helper_a.py", "ab"), ("linattn_jax/b.py", "b"),
                        ("linattn_jax/c.py", "c"), ("linattn_jax/shared.py", "abc"),
                        ("kernels/k.py", "abc"), ("train/loop.py", "abc")]:  # fmt: skip

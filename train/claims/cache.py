@@ -16,12 +16,13 @@ The code version hashes the ``*.py`` under `CODE_DIRS` except `EXCLUDED`:
 ``linattn_jax/`` (the mechanisms), ``kernels/`` (their kernels) and ``train/`` (models,
 data generators, optimiser, loop, distillation); left out are ``train/claims`` (this
 package: the verdicts and the report read runs, they do not make them, so editing a rule
-must not retrain hours of runs), ``train/bench`` and ``train/bench_activations``
-(benchmarks, which no training module imports). A run's key hashes only the mechanisms it
-trains (`run_key`'s ``mechanisms``, default the config's ``attention``): left out are the
-files private to the other mechanisms, so a change to laplacian does not rerun softmax's
-runs. A file is private to a mechanism when it is reached by imports from the mechanism's
-module (`mechanism_modules`) and not from the shared code: everything ``train/`` imports,
+must not retrain hours of runs), ``train/bench``, ``train/bench_activations`` and
+``kernels/bench.py`` (benchmarks, which no training module imports). A run's key hashes
+only the mechanisms it trains (`run_key`'s ``mechanisms``, default the config's
+``attention``): left out are the files private to the other mechanisms, so a change to
+laplacian does not rerun softmax's runs. A file is private to a mechanism when it is
+reached by imports from the mechanism's module (`mechanism_modules`) and not from the
+shared code: everything ``train/`` imports,
 with the mechanism modules as dead ends (`private_files`; imports are read from the source
 with `ast`: static imports only, and the library imports none of its own modules
 dynamically; a file neither side reaches is hashed for every run). This rests on the
@@ -41,7 +42,7 @@ import shutil
 from pathlib import Path
 
 CODE_DIRS = ("linattn_jax", "kernels", "train")
-EXCLUDED = ("train/claims", "train/bench", "train/bench_activations")
+EXCLUDED = ("train/claims", "train/bench", "train/bench_activations", "kernels/bench.py")
 #: config fields that do not change what a run computes
 VOLATILE = ("progress_bar",)
 RUN_KEY = "run_key.json"
