@@ -294,19 +294,14 @@ def _final_state(carry, den_floor):
 
 def _combine_carries(first, second):
     """The carry of two consecutive runs of chunks from each one's own carry, for
-    `lax.associative_scan` (leading axis batched): `first` decayed by `second`'s total log
-    decay and both rescaled to the larger running max. A carry here is ``(sz, zm, mp, g)``,
-    g the total log decay of its chunks."""
-    sz1, zm1, m1, g1 = first
-    sz2, zm2, m2, g2 = second
-    m = lax.stop_gradient(jnp.maximum(m1, m2))
-    a, b = jnp.exp(g2 + m1 - m), jnp.exp(m2 - m)
-    return (
-        sz1 * a[..., None, None] + sz2 * b[..., None, None],
-        zm1 * a + zm2 * b,
-        m,
-        g1 + g2,
+    `lax.associative_scan` (leading axis batched): `combine_states` of the two, with the
+    mass channel zm in the z slot (it is scaled as z is). A carry here is ``(sz, zm, mp,
+    g)``, g the total log decay of its chunks."""
+    (sz1, zm1, m1, g1), (sz2, zm2, m2, g2) = first, second
+    sz, zm, m = combine_states(
+        RecurrentState(sz1, zm1[..., None], m1), RecurrentState(sz2, zm2[..., None], m2), g2
     )
+    return sz, zm[..., 0], m, g1 + g2
 
 
 def _chunk_parallel(prepare, xs, t, eps, initial_state, den_floor):
