@@ -35,16 +35,14 @@ PYTEST=(timeout "${PYTEST_TIMEOUT_S:-300}" python3 -m pytest -rf -o "addopts=-m 
   | tee "$OUT/kernels_gpu.md"
 # Mechanisms' time and memory against softmax on the GPU.
 MECHANISMS=${MECHANISMS:-softmax performer flexformer_s flexformer_n laplacian lara hedgehog nystromformer}
-[[ " $PARTS " == *" scaling "* ]] && timeout "${SCALING_TIMEOUT_S:-400}" python3 -m train.bench scaling --mechanisms $MECHANISMS \
-  --seq-lens ${SEQ_LENS:-1024 4096 16384} --modes noncausal causal --passes fwd fwd_bwd \
-  --repeats 10 --min-total-s 0.3 --time-limit-s 5 --mechanism-timeout-s 90 \
-  --out "$OUT/scaling_gpu.json" 2>&1 | tail -60
+SCALING=(python3 -m train.bench scaling --seq-lens ${SEQ_LENS:-1024 4096 16384} --passes fwd fwd_bwd
+  --repeats 10 --min-total-s 0.3 --time-limit-s 5 --mechanism-timeout-s 90)
+[[ " $PARTS " == *" scaling "* ]] && timeout "${SCALING_TIMEOUT_S:-400}" "${SCALING[@]}" \
+  --mechanisms $MECHANISMS --modes noncausal causal --out "$OUT/scaling_gpu.json" 2>&1 | tail -60
 # The two causal forms (`linattn_jax.core.causal.CAUSAL_FORM`; "auto", above, is the parallel
 # one on a GPU), causal attention only, each against softmax in its own run.
 for FORM in scan parallel; do
   [[ " $PARTS " == *" causal "* ]] && LINATTN_CAUSAL_FORM=$FORM timeout "${CAUSAL_TIMEOUT_S:-300}" \
-    python3 -m train.bench scaling --mechanisms ${CAUSAL_MECHANISMS:-softmax performer flexformer_n rfa} \
-    --seq-lens ${SEQ_LENS:-1024 4096 16384} --modes causal --passes fwd fwd_bwd \
-    --repeats 10 --min-total-s 0.3 --time-limit-s 5 --mechanism-timeout-s 90 \
-    --out "$OUT/causal_$FORM.json" 2>&1 | tail -30
+    "${SCALING[@]}" --mechanisms ${CAUSAL_MECHANISMS:-softmax performer flexformer_n rfa} \
+    --modes causal --out "$OUT/causal_$FORM.json" 2>&1 | tail -30
 done
