@@ -47,12 +47,13 @@ def mass_channel(phi, *, is_query: bool):
     zeros for queries (dot products are unchanged) and ``|phi|`` for keys. A feature map
     with a relative denominator floor (`FeatureMap.den_floor`) returns its features so."""
     phi = phi.astype(_f32)
-    extra = (
-        jnp.zeros_like(phi[..., :1])
-        if is_query
-        else jnp.sqrt(jnp.sum(phi * phi, axis=-1, keepdims=True) + _TINY_SQ)
-    )
+    extra = jnp.zeros_like(phi[..., :1]) if is_query else key_mass(phi)[..., None]
     return jnp.concatenate([phi, extra], axis=-1)
+
+
+def key_mass(phi):
+    """``|phi|`` over the last axis (``[..., M] -> [...]``): the key-mass channel's values."""
+    return jnp.sqrt(jnp.sum(phi * phi, axis=-1) + _TINY_SQ)
 
 
 def denominator_floor(phi_q, mass, den_floor):

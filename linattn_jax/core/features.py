@@ -166,7 +166,9 @@ class FeatureMap:
         (the redraw of a stochastic mechanism when ``deterministic=False``), or None.
       floor_fn: ``(**config) -> float``, the relative denominator floor gamma of this map
         (`den_floor`; when > 0 the features carry the key-mass channel, `mass_channel`),
-        or None (no floor). Every caller of the core passes it on.
+        or None (no floor). Every caller of the core passes it on. A floor read from the
+        config's ``den_floor`` must leave the features, less the channel, unchanged at
+        ``den_floor=0``: the blocked non-causal pass then asks for them without the channel.
       token_wise: the features of each token depend on that token alone (not on the
         rest of the sequence), so the causal path may compute them chunk by chunk inside
         its scan (`attend_features`), never holding the whole sequence's features in the

@@ -32,6 +32,7 @@ from linattn_jax.core.common import (
     _split_mass,
     denominator_floor,
     guard_denominator,
+    key_mass,
 )
 from linattn_jax.core.features import FeatureMap
 
@@ -269,13 +270,15 @@ def _noncausal_fused(fmap, params, q, k, v, mask, block_size, den_floor, config,
     s, z, zm, c = _fused_key_sums(fmap, params, k, v, mask, block_size, den_floor, config)
     if combine is not None:
         s, z, zm = combine(s, z, zm, c)
+    config, channel = _mass_channel_config(fmap, config, den_floor)
 
     # the backward pass recomputes a block's features, never stores them (no CSE to prevent
     # inside a scan)
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def query_block(s, z, zm, qx):
         pq = jnp.swapaxes(fmap.query(qx, params, **config).astype(_f32), 1, 2)  # heads first
-        pq, mass = (pq[..., :-1], zm) if den_floor else (pq, None)
+        pq = pq[..., :-1] if channel else pq
+        mass = zm if den_floor else None
         return _read_out_heads_first(pq, s, z, mass, DENOMINATOR_EPS, den_floor)
 
     b, tq, h = q.shape[:3]
@@ -286,6 +289,23 @@ def _noncausal_fused(fmap, params, q, k, v, mask, block_size, den_floor, config,
     return jnp.moveaxis(out, 0, 1).reshape(b, n * c, h, -1)[:, :tq]
 
 
+def _mass_channel_config(fmap, config, den_floor):
+    """``(config, channel)`` for the blocked passes' calls of `fmap`: with a floor whose
+    value comes from the config's ``den_floor`` (`fmap.den_floor` reads 0 at
+    ``den_floor=0``), the config with ``den_floor=0``, so that the map returns its features
+    without the mass channel and the pass computes the channel's values, ``|phi(k)|``
+    (`key_mass`), from the features themselves (``channel=False``). Appending the channel
+    made XLA write a concatenated copy of every block's features and pad their cotangents
+    in the backward: about a fifth of flexformer's non-causal forward+backward
+    (docs/performance.md). Otherwise `config` as given, the channel (if any) in the
+    features' last column (``channel=den_floor > 0``)."""
+    if den_floor:
+        plain = {**config, "den_floor": 0.0}
+        if fmap.den_floor(**plain) == 0.0:
+            return plain, False
+    return config, bool(den_floor)
+
+
 def _fused_key_sums(fmap, params, k, v, mask, block_size, den_floor, config):
     """The non-causal key sums of a token-wise `FeatureMap`, its features computed block by
     block in a scan: ``(s [B, H, M, Dv], z [B, H, M], zm [B, H], c [B, H])`` with ``s =
@@ -293,6 +313,7 @@ def _fused_key_sums(fmap, params, k, v, mask, block_size, den_floor, config):
     floor) over the unmasked keys, c the max of their log-scales n_j (detached), kept as a
     running max over the blocks (as `combine_states`)."""
     vc, keepc, kc = _token_chunks(block_size, mask, v, k)
+    config, channel = _mass_channel_config(fmap, config, den_floor)
 
     @functools.partial(jax.checkpoint, prevent_cse=False)  # as in `_noncausal_fused`
     def key_block(vx, keepx, kx):
@@ -301,7 +322,10 @@ def _fused_key_sums(fmap, params, k, v, mask, block_size, den_floor, config):
         _check_no_decay(keys.log_decay)
         # heads first [B, H, c, M] (cancels the map's own swap)
         pk = jnp.swapaxes(keys.phi.astype(_f32), 1, 2)
-        pk, mass = _split_last(pk) if den_floor else (pk, None)
+        if channel:
+            pk, mass = _split_last(pk)
+        else:
+            mass = key_mass(pk) if den_floor else None
         ns = _masked_log_scale(keys.log_scale, keepx, (kx.shape[0], kx.shape[1], pk.shape[1]))
         ns = jnp.swapaxes(ns, 1, 2)  # [B, H, c]
         top = lax.stop_gradient(jnp.max(ns, axis=-1))
