@@ -31,6 +31,7 @@ from linattn_jax.core.common import (
     denominator_floor,
     guard_denominator,
     key_mask,
+    key_mass,
 )
 from linattn_jax.core.recurrent import RecurrentState, block_state, combine_states, recurrent_init
 
@@ -167,6 +168,23 @@ def _chunk_keys(fmap, params, kc, keepc, config):
     return phi, ns, keys.log_decay
 
 
+def _mass_channel_config(fmap, config, den_floor):
+    """``(config, channel)`` for the fused passes' calls of `fmap`: with a floor whose
+    value comes from the config's ``den_floor`` (`fmap.den_floor` reads 0 at
+    ``den_floor=0``), the config with ``den_floor=0``, so that the map returns its features
+    without the mass channel and the pass computes the channel's values, ``|phi(k)|``
+    (`key_mass`), from the features themselves (``channel=False``): the appended channel
+    costs XLA a concatenated copy of the features and, in the backward, a pad of their
+    cotangents (flexformer's forward at T = 4k took 1.3-1.8x performer's time with it and
+    0.8-1.1x without, docs/performance.md). Otherwise `config` as given, the channel (if
+    any) in the features' last column (``channel=den_floor > 0``)."""
+    if den_floor:
+        plain = {**config, "den_floor": 0.0}
+        if fmap.den_floor(**plain) == 0.0:
+            return plain, False
+    return config, bool(den_floor)
+
+
 def _causal_fused(fmap, params, q, k, v, mask, chunk_size, den_floor, config, initial_state=None):
     """Causal `linear_attention` of a token-wise `FeatureMap` with its features computed
     chunk by chunk inside the scan, so the forward pass never holds the ``[B, T, H, M]``
@@ -177,16 +195,20 @@ def _causal_fused(fmap, params, q, k, v, mask, chunk_size, den_floor, config, in
     `RecurrentState` of the keys before this sequence (as `causal_linear_attention_from`;
     the sequence-parallel path passes the devices' before it, `_fused_block_state`)."""
     t = q.shape[1]
+    config, channel = _mass_channel_config(fmap, config, den_floor)
 
     def prepare(x):
         vc, keepc, qc, kc = x
         keys = fmap.key(kc, params, **config)
         _check_one_key_weighting(keys.log_decay, keys.log_scale)
-        # heads first before the mass channel is split off: a feature map's own swap
+        # heads first before a mass channel is split off: a feature map's own swap
         # (`heads_last`) then cancels and the split is free
         pq = jnp.swapaxes(fmap.query(qc, params, **config).astype(_f32), 1, 2)
         pk = jnp.swapaxes(keys.phi.astype(_f32), 1, 2) * keepc[:, None, :, None].astype(_f32)
-        pq, pk, mass = _split_mass(pq, pk, den_floor)  # mass [B, H, c]
+        if channel:
+            pq, pk, mass = _split_mass(pq, pk, den_floor)  # mass [B, H, c]
+        else:
+            mass = key_mass(pk) if den_floor else None
         bhc = pk.shape[:3]
         ns = _masked_log_scale(keys.log_scale, keepc, (bhc[0], bhc[2], bhc[1]))
         ns = jnp.swapaxes(ns, 1, 2)

@@ -17,6 +17,7 @@ from linattn_jax.core.causal import (
     _causal_fused,
     _check_no_decay,
     _chunking,
+    _mass_channel_config,
     _token_chunks,
 )
 from linattn_jax.core.common import (
@@ -287,23 +288,6 @@ def _noncausal_fused(fmap, params, q, k, v, mask, block_size, den_floor, config,
     qc = jnp.moveaxis(qp.reshape(b, n, c, *q.shape[2:]), 1, 0)  # [n, B, c, H, d]
     _, out = lax.scan(lambda _, qx: (None, query_block(s, z, zm, qx)), None, qc)
     return jnp.moveaxis(out, 0, 1).reshape(b, n * c, h, -1)[:, :tq]
-
-
-def _mass_channel_config(fmap, config, den_floor):
-    """``(config, channel)`` for the blocked passes' calls of `fmap`: with a floor whose
-    value comes from the config's ``den_floor`` (`fmap.den_floor` reads 0 at
-    ``den_floor=0``), the config with ``den_floor=0``, so that the map returns its features
-    without the mass channel and the pass computes the channel's values, ``|phi(k)|``
-    (`key_mass`), from the features themselves (``channel=False``). The appended channel
-    had XLA pad the features' cotangents in the backward (flexformer_s's non-causal
-    forward+backward at T = 4k: 283 -> 261 ms of ops per call in XLA's profile,
-    docs/performance.md). Otherwise `config` as given, the channel (if any) in the
-    features' last column (``channel=den_floor > 0``)."""
-    if den_floor:
-        plain = {**config, "den_floor": 0.0}
-        if fmap.den_floor(**plain) == 0.0:
-            return plain, False
-    return config, bool(den_floor)
 
 
 def _fused_key_sums(fmap, params, k, v, mask, block_size, den_floor, config):
