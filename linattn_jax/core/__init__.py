@@ -28,7 +28,9 @@ also accumulates ``m_i = |phi(q_i)| sum_j w_ij |phi(k_j)|`` (same weights w_ij: 
 causality, decay, key scale), which bounds ``|den_i| <= m_i`` (Cauchy-Schwarz), and
 raises ``|den_i|`` to at least ``gamma m_i`` keeping its sign. The l1 norm of every
 normalised weight row is then at most ``1 / gamma``; rows with ``|den_i| >= gamma m_i`` are
-unchanged bit for bit.
+unchanged bit for bit. The fused passes of a token-wise map whose floor is its config's
+``den_floor`` ask it for its features without the channel and take ``|phi(k_j)|`` from
+them (`key_mass`): the same values, without a concatenated copy of the features.
 
 Layout: `linattn_jax.core.common` (the guard, the floor, masks, `read_out`),
 `linattn_jax.core.linear` (`linear_attention`, `quadratic_reference`, `attend`,
@@ -45,6 +47,7 @@ from linattn_jax.core.common import (
     guard_denominator,
     heads_last,
     key_mask,
+    key_mass,
     masked_max,
     mass_channel,
     read_out,
@@ -78,6 +81,7 @@ __all__ = [
     "recurrent_init",
     "recurrent_step",
     "guard_denominator",
+    "key_mass",
     "mass_channel",
     "denominator_floor",
     "read_out",
