@@ -583,6 +583,20 @@ def test_runs_queue_lists_states_and_trains_only_unfinished_runs(tmp_path, monke
     assert commands == []
     assert "listops:softmax:0                        finished accuracy 0.4000" in (
         capsys.readouterr().out)  # fmt: skip
+    # --code reads the runs of another code version: the stale one (key of the config, code
+    # "old") is finished there, the current ones are not
+    config, path = runs.config_and_dir(settings, runs.Run("listops", "performer", 0))
+    old = {**run_cache.run_key(config), "code": "old"}
+    (path / run_cache.RUN_KEY).write_text(json.dumps(old))
+    (path / "summary.json").write_text(json.dumps({"test": {"accuracy": 0.25}}))
+    assert runs.main(["--list", "--code", "old", *common, *items[:3]]) == dict(
+        zip(items, ("stale", "stale", "finished"), strict=False))  # fmt: skip
+    assert "listops:performer:0                      finished accuracy 0.2500" in (
+        capsys.readouterr().out)  # fmt: skip
+    for bad in (["--code", "old", "listops:rfa:0"], ["--list", "--code", "old", "distill:rfa:0"]):
+        with pytest.raises(SystemExit):
+            runs.main([*common, *bad])
+        assert "--code reads" in capsys.readouterr().err
     assert runs.main(["--jobs", "2", *common, *items]) == dict.fromkeys(items, "finished")
     assert sorted(c[c.index("--one") + 1] for c in commands) == sorted(items[1:])
     assert all(c[1:3] == ["-m", "train.claims.runs"] and c[-3:] == ["--workdir", str(tmp_path),

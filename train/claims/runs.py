@@ -30,7 +30,9 @@ stale (another key: moved aside and retrained), pending (no directory).
 accuracy, bits per byte for lm, the accuracy drop of a transfer) as mean +- sample std with
 the seeds' values, the 95% Welch interval of the difference to a reference arm
 (``--against``; default an ablation arm's own mechanism, else softmax) and the mean of the
-kernel diagnostics' end values (`kernel/...`) where the runs log them.
+kernel diagnostics' end values (`kernel/...`) where the runs log them. ``--code VERSION``
+reads (``--list``, ``--summary``) the runs of an earlier code version instead, as the ledger
+keeps them: e.g. ``--code d96b4e34e15a860c`` for issue 35's Pathfinder ablation.
 """
 
 from __future__ import annotations
@@ -138,8 +140,12 @@ def config_and_dir(settings: Settings, run: Run):
             table.table_dir(settings, run.task, run.arm, run.seed))  # fmt: skip
 
 
-def state(settings: Settings, run: Run) -> tuple[str, dict | None]:
-    """One of `STATES`, and the summary of a finished run (else None)."""
+def state(settings: Settings, run: Run, code: str | None = None) -> tuple[str, dict | None]:
+    """One of `STATES`, and the summary of a finished run (else None). `code`: read the run
+    as trained by that code version (a run key's ``"code"``, `run_cache.code_version`)
+    instead of the current one: the ledger's results of earlier code (table and lm runs)."""
+    if code is not None and run.task in distillation.QUEUE:
+        raise ValueError(f"--code reads table and lm runs only, not {run}")
     if run.task in distillation.QUEUE:
         spec = distillation.queued_run(settings, *run)
         key, path, _ = spec
@@ -147,6 +153,7 @@ def state(settings: Settings, run: Run) -> tuple[str, dict | None]:
     else:
         config, path = config_and_dir(settings, run)
         key = run_cache.run_key(config)  # hashes the code it runs: computed once
+        key = key if code is None else {**key, "code": code}
         summary = run_cache.finished(
             path, key, int(config.num_train_steps), copy=settings.kept(path)
         )
@@ -263,6 +270,9 @@ def main(argv=None) -> dict[str, str]:
     p.add_argument("--against", default=None,
                    help="--summary: compare every arm with this one (default: an ablation "
                    "arm's mechanism, else softmax)")  # fmt: skip
+    p.add_argument("--code", default=None,
+                   help="--list / --summary: read the runs of this code version (a run key's "
+                   "'code') instead of the current one's")  # fmt: skip
     p.add_argument("--jobs", type=int, default=2, help="runs trained at once (default 2)")
     p.add_argument("--seeds", type=int, default=MIN_SEEDS, help="seeds of a group")
     p.add_argument("--workdir", default="workdir/claims")
@@ -278,13 +288,15 @@ def main(argv=None) -> dict[str, str]:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
     if not args.runs:
         p.error("give runs: a group (table, ablations, lm) or task:arm:seed")
+    if args.code is not None and not (args.list or args.summary):
+        p.error("--code reads runs (--list, --summary); training runs the current code")
     try:
         runs = expand(args.runs, args.seeds)
+        states, summaries = {}, {}
+        for r in runs:
+            states[r], summaries[r] = state(settings, r, args.code)
     except ValueError as e:
         p.error(str(e))
-    states, summaries = {}, {}
-    for r in runs:
-        states[r], summaries[r] = state(settings, r)
     left = [r for r in runs if states[r] != "finished"]
     hours = sum(estimate_seconds(r) for r in left) / 3600
     counts = ", ".join(f"{s} {sum(v == s for v in states.values())}" for s in STATES)
