@@ -31,7 +31,6 @@ from linattn_jax.core.common import (
     denominator_floor,
     guard_denominator,
     key_mask,
-    key_mass,
 )
 from linattn_jax.core.recurrent import RecurrentState, block_state, combine_states, recurrent_init
 
@@ -205,10 +204,7 @@ def _causal_fused(fmap, params, q, k, v, mask, chunk_size, den_floor, config, in
         # (`heads_last`) then cancels and the split is free
         pq = jnp.swapaxes(fmap.query(qc, params, **config).astype(_f32), 1, 2)
         pk = jnp.swapaxes(keys.phi.astype(_f32), 1, 2) * keepc[:, None, :, None].astype(_f32)
-        if channel:
-            pq, pk, mass = _split_mass(pq, pk, den_floor)  # mass [B, H, c]
-        else:
-            mass = key_mass(pk) if den_floor else None
+        pq, pk, mass = _split_mass(pq, pk, den_floor, channel)  # mass [B, H, c]
         bhc = pk.shape[:3]
         ns = _masked_log_scale(keys.log_scale, keepc, (bhc[0], bhc[2], bhc[1]))
         ns = jnp.swapaxes(ns, 1, 2)

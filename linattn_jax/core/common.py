@@ -105,13 +105,20 @@ def _read_out_heads_first(pq, s, z, mass, eps, den_floor):
     return jnp.swapaxes(num / guard_denominator(den, eps, floor)[..., None], 1, 2)
 
 
-def _split_mass(phi_q, phi_k, den_floor):
+def _split_mass(phi_q, phi_k, den_floor, channel=True):
     """``(phi_q, phi_k, mass)``: the features without the mass channel and the channel
     ``[B, Tk, H]`` (None without a floor). The main sums then run on exactly the features
-    of the unfloored call, so rows above the floor come out bit for bit the same."""
+    of the unfloored call, so rows above the floor come out bit for bit the same. Without
+    `channel` the features carry none, and the mass is ``|phi_k|`` (`key_mass`)."""
+    phi_k, mass = _split_key_mass(phi_k, den_floor, channel)
+    return (phi_q[..., :-1] if den_floor and channel else phi_q), phi_k, mass
+
+
+def _split_key_mass(phi_k, den_floor, channel=True):
+    """``(phi_k, mass)``: the key side of `_split_mass`."""
     if not den_floor:
-        return phi_q, phi_k, None
-    return (phi_q[..., :-1], *_split_last(phi_k))
+        return phi_k, None
+    return _split_last(phi_k) if channel else (phi_k, key_mass(phi_k))
 
 
 def _check_floor(den_floor, phi_k):

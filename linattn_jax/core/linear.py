@@ -29,11 +29,10 @@ from linattn_jax.core.common import (
     _f32,
     _masked_log_scale,
     _read_out_heads_first,
-    _split_last,
+    _split_key_mass,
     _split_mass,
     denominator_floor,
     guard_denominator,
-    key_mass,
 )
 from linattn_jax.core.features import FeatureMap
 
@@ -306,10 +305,7 @@ def _fused_key_sums(fmap, params, k, v, mask, block_size, den_floor, config):
         _check_no_decay(keys.log_decay)
         # heads first [B, H, c, M] (cancels the map's own swap)
         pk = jnp.swapaxes(keys.phi.astype(_f32), 1, 2)
-        if channel:
-            pk, mass = _split_last(pk)
-        else:
-            mass = key_mass(pk) if den_floor else None
+        pk, mass = _split_key_mass(pk, den_floor, channel)
         ns = _masked_log_scale(keys.log_scale, keepx, (kx.shape[0], kx.shape[1], pk.shape[1]))
         ns = jnp.swapaxes(ns, 1, 2)  # [B, H, c]
         top = lax.stop_gradient(jnp.max(ns, axis=-1))
