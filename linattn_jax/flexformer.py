@@ -281,14 +281,14 @@ def _trig(xh, *omegas):
 
 def _log_norm_s(xh):
     """``|x^|^2 / 2 = |x|^2 / (2 sqrt d)`` as ``[B, T, H, 1]``."""
-    return 0.5 * jnp.sum(xh * xh, axis=-1, keepdims=True)
+    return 0.5 * core.rowdot(xh, xh)[..., None]
 
 
 def _log_norm_n(x, tau):
     """``|x|^2 / exp(tau)`` as ``[B, T, H, 1]``; `tau` is ``[H]``."""
     x = x.astype(_f32)
     inv_scale = jnp.exp(-tau.astype(_f32))[None, None, :, None]
-    return jnp.sum(x * x, axis=-1, keepdims=True) * inv_scale
+    return core.rowdot(x, x)[..., None] * inv_scale
 
 
 def _normalize(x, radius):
@@ -296,8 +296,9 @@ def _normalize(x, radius):
     x = x.astype(_f32)
     if radius is None:
         return x
-    norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-12)
-    return x * (radius * x.shape[-1] ** 0.25 / norm)
+    # `core.rowdot` / `core.scale_rows`: XLA's CPU multiply-reduce is slow at batch 1
+    norm = jnp.sqrt(core.rowdot(x, x) + 1e-12)
+    return core.scale_rows(x, radius * x.shape[-1] ** 0.25 / norm)
 
 
 def log_temperature_scale(params, head_dim, *, qk_radius=QK_RADIUS):

@@ -113,7 +113,7 @@ def feature_map(x, features, *, stabilize: bool = True):
     else:
         wx = jnp.einsum("bhtd,hmd->bhtm", xh, w)
     # from x as given (a second reading of the transposed xh costs XLA a second transpose)
-    half_sq = jnp.swapaxes(0.5 * jnp.sum(xs * xs, axis=-1), 1, 2)  # [B, H, T]
+    half_sq = jnp.swapaxes(0.5 * core.rowdot(xs, xs), 1, 2)  # [B, H, T]
     top = lax.stop_gradient(jnp.max(wx, axis=-1) - half_sq)  # each token's largest exponent
     n = top if stabilize else jnp.zeros_like(top)
     m = features.shape[1]

@@ -39,7 +39,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from linattn_jax import _checks, _seq
+from linattn_jax import _checks, _seq, core
 
 
 def _masked_softmax(logits, valid, axis, seq_axis=None):
@@ -73,7 +73,7 @@ def _softmax_jvp(axis, seq_axis, primals, tangents):
 
 def _sq_half(x):
     """``|x|^2 / 2`` over the last axis."""
-    return 0.5 * jnp.sum(x * x, axis=-1)
+    return 0.5 * core.rowdot(x, x)
 
 
 def _check_samples(name, rng, deterministic, num_samples):

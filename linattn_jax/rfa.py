@@ -50,7 +50,7 @@ def _unit(x):
     """``x / max(|x|, 1e-6)`` along the last axis (float32); an all-zero x gives zeros, with
     finite (zero) gradients."""
     x = x.astype(jnp.float32)
-    return x / jnp.maximum(jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _TINY_SQ), 1e-6)
+    return core.divide_rows(x, jnp.maximum(jnp.sqrt(core.rowdot(x, x) + _TINY_SQ), 1e-6))
 
 
 def feature_map(x, params, features=None):
@@ -70,7 +70,9 @@ def _key(k, params, *, gate=False):
     if not gate:
         return core.KeyFeatures(phi)
     a = jnp.einsum("bthd,hd->bth", _unit(k), params["gate_w"]) + params["gate_b"][None, None, :]
-    return core.KeyFeatures(phi * jax.nn.sigmoid(-a)[..., None], log_decay=jax.nn.log_sigmoid(a))
+    return core.KeyFeatures(
+        core.scale_rows(phi, jax.nn.sigmoid(-a)), log_decay=jax.nn.log_sigmoid(a)
+    )
 
 
 def _draw(params, rng):

@@ -166,10 +166,10 @@ def test_key_log_scale_is_stable_and_causal():
 
 
 # ------------------------------------------------------------ relative denominator floor
-def _signed_mass_features(seed, t=13, m=6):
+def _signed_mass_features(seed, t=13, m=6, b=2):
     """Signed features N(0.5, 1) (denominators cancel: a third to half of the rows have
     ``|den| < 0.2 x`` their mass) with the mass channel."""
-    pq, pk, v = _features(seed, t=t, m=m)
+    pq, pk, v = _features(seed, b=b, t=t, m=m)
     pq, pk = jnp.log(pq) + 0.5, jnp.log(pk) + 0.5  # back to N(0, 1), shifted
     return core.mass_channel(pq, is_query=True), core.mass_channel(pk, is_query=False), v
 
@@ -189,19 +189,20 @@ def _den_and_mass(pq, pk, mask, causal):
 @pytest.mark.parametrize(
     ("causal", "extra"), [(False, "mask+scale"), (True, "mask+scale"), (True, "decay")]
 )
-def test_den_floor_fast_paths_match_reference(causal, extra):
+@pytest.mark.parametrize("b", [2, 1])  # batch 1: `core.rowdot`'s contractions on the CPU
+def test_den_floor_fast_paths_match_reference(causal, extra, b):
     """With the floor active on some rows, the chunked causal / non-causal forms equal the
     quadratic reference with the same floor, forward and gradients (mask, key log-scales
     or a decay), and the floor really is active on some rows and not on others."""
     gamma = 0.2
-    pq, pk, v = _signed_mass_features(11)
+    pq, pk, v = _signed_mass_features(11, b=b)
     kw = dict(causal=causal, den_floor=gamma)
     mask = None
     if extra == "mask+scale":
-        mask = jax.random.bernoulli(jax.random.key(4), 0.7, (2, 13)).at[:, 0].set(True)
-        kw.update(mask=mask, key_log_scale=0.5 * jax.random.normal(jax.random.key(5), (2, 13, 2)))
+        mask = jax.random.bernoulli(jax.random.key(4), 0.7, (b, 13)).at[:, 0].set(True)
+        kw.update(mask=mask, key_log_scale=0.5 * jax.random.normal(jax.random.key(5), (b, 13, 2)))
     else:
-        kw["log_decay"] = -jax.random.uniform(jax.random.key(6), (2, 13, 2))
+        kw["log_decay"] = -jax.random.uniform(jax.random.key(6), (b, 13, 2))
     den, mass = _den_and_mass(pq, pk, mask, causal)
     active = np.asarray(jnp.abs(den) < gamma * mass)
     assert 0.1 < active.mean() < 0.9, active.mean()
@@ -211,6 +212,28 @@ def test_den_floor_fast_paths_match_reference(causal, extra):
         return fn(*a, **kw, **extra_kw)
 
     _assert_fast_matches_reference(run, pq, pk, v)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 2, 5), (2, 3, 2, 5), (2, 1, 2, 5)])
+def test_row_helpers_equal_the_plain_forms_with_gradients(shape):
+    """`core.rowdot`, `core.scale_rows` and `core.divide_rows` (contractions where an axis
+    of 1 makes XLA's CPU multiply-reduce slow, plain forms otherwise) equal ``sum(a * b,
+    -1)``, ``x * r[..., None]`` and ``x / r[..., None]``, values and gradients."""
+    ka, kb, kr = jax.random.split(jax.random.key(0), 3)
+    a, b = jax.random.normal(ka, shape), jax.random.normal(kb, shape)
+    r = jnp.exp(jax.random.normal(kr, shape[:-1]))
+    pairs = [
+        (lambda a, b, r: core.rowdot(a, b) * r, lambda a, b, r: jnp.sum(a * b, axis=-1) * r),
+        (lambda a, b, r: core.scale_rows(a, r) * b, lambda a, b, r: a * r[..., None] * b),
+        (lambda a, b, r: core.divide_rows(a, r) * b, lambda a, b, r: a / r[..., None] * b),
+    ]
+    for ours, plain in pairs:
+        np.testing.assert_allclose(ours(a, b, r), plain(a, b, r), rtol=1e-6, atol=1e-6)
+        loss = lambda f: lambda *args: jnp.sum(jnp.sin(f(*args)))  # noqa: E731
+        g_ours = jax.grad(loss(ours), argnums=(0, 1, 2))(a, b, r)
+        g_plain = jax.grad(loss(plain), argnums=(0, 1, 2))(a, b, r)
+        for x, y in zip(g_ours, g_plain):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -44,6 +44,7 @@ from linattn_jax.core.causal import causal_form, causal_linear_attention_from
 from linattn_jax.core.common import (
     DENOMINATOR_EPS,
     denominator_floor,
+    divide_rows,
     guard_denominator,
     heads_last,
     key_mask,
@@ -51,6 +52,8 @@ from linattn_jax.core.common import (
     masked_max,
     mass_channel,
     read_out,
+    rowdot,
+    scale_rows,
 )
 from linattn_jax.core.features import FeatureMap, KeyFeatures, cos_sin, scale_inputs, sincos
 from linattn_jax.core.linear import (
@@ -85,6 +88,9 @@ __all__ = [
     "mass_channel",
     "denominator_floor",
     "read_out",
+    "rowdot",
+    "divide_rows",
+    "scale_rows",
     "heads_last",
     "masked_max",
     "key_mask",

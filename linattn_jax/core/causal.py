@@ -29,8 +29,10 @@ from linattn_jax.core.common import (
     _split_last,
     _split_mass,
     denominator_floor,
+    divide_rows,
     guard_denominator,
     key_mask,
+    scale_rows,
 )
 from linattn_jax.core.recurrent import RecurrentState, block_state, combine_states, recurrent_init
 
@@ -269,7 +271,7 @@ def _chunk_output(carry, prepared, tril, eps, den_floor):
     if den_floor:  # the mass channel under the same weights
         mass_i = jnp.einsum("bhij,bhj->bhi", weight, mc) + carry_scale * zm[..., None]
         floor = denominator_floor(pq, mass_i, den_floor)
-    return num / guard_denominator(den, eps, floor)[..., None]
+    return divide_rows(num, guard_denominator(den, eps, floor))
 
 
 def _chunk_update(carry, prepared):
@@ -283,7 +285,7 @@ def _chunk_update(carry, prepared):
     m_new = lax.stop_gradient(jnp.maximum(mp, jnp.max(nc, axis=-1)))
     w = jnp.exp(g_last[..., None] - gc + nc - m_new[..., None])  # [B, H, c]
     old = jnp.exp(g_last + mp - m_new)
-    sz = sz * old[..., None, None] + jnp.einsum("bhjm,bhjd->bhmd", pk, vc * w[..., None])
+    sz = sz * old[..., None, None] + jnp.einsum("bhjm,bhjd->bhmd", pk, scale_rows(vc, w))
     zm = zm * old + jnp.sum(mc * w, axis=-1)
     return sz, zm, m_new
 

@@ -6,7 +6,9 @@ See `linattn_jax.core` for the relative denominator floor.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
 #: Denominators with ``|r| <= DENOMINATOR_EPS`` are pushed away from zero. Not a modelling
 #: constant but float32's limit: the guard is for a row with no visible key (den exactly 0)
@@ -23,6 +25,40 @@ _f32 = jnp.float32
 #: Added under the square roots of feature norms: an all-zero feature row gets a finite
 #: (zero) gradient instead of NaN.
 _TINY_SQ = 1e-30
+
+
+def _unit_axis_on_cpu(shape) -> bool:
+    """Whether an operand of `shape` ``[..., D]`` has a unit axis before D and the default
+    backend is the CPU: there XLA (jaxlib 0.10) fuses ``sum(a * b, -1)`` into a
+    multiply-reduce that runs 8-20x slower than the same sum as a contraction (``[1, 512,
+    4, 64]``: 0.43 ms against 0.06 ms), and the transpose of a broadcast multiply is that
+    multiply-reduce. Without a unit axis the plain forms are as fast or faster in context
+    (docs/performance.md, "Row reductions at batch 1")."""
+    return 1 in shape[:-1] and jax.default_backend() == "cpu"
+
+
+def rowdot(a, b):
+    """``sum(a * b, axis=-1)`` (``[..., D], [..., D] -> [...]``); as a contraction where
+    XLA's CPU multiply-reduce is slow (`_unit_axis_on_cpu`: at batch 1)."""
+    if _unit_axis_on_cpu(a.shape):
+        return jnp.einsum("...d,...d->...", a, b, precision=lax.Precision.HIGHEST)
+    return jnp.sum(a * b, axis=-1)
+
+
+def scale_rows(x, r):
+    """``x * r[..., None]`` (``[..., D], [...] -> [..., D]``); where XLA's CPU
+    multiply-reduce is slow (`_unit_axis_on_cpu`), written as a product whose gradient with
+    respect to `r` is a contraction (the broadcast's transpose would be that reduce)."""
+    if _unit_axis_on_cpu(x.shape):
+        return jnp.einsum("...d,...->...d", x, r, precision=lax.Precision.HIGHEST)
+    return x * r[..., None]
+
+
+def divide_rows(x, den):
+    """``x / den[..., None]``, as `scale_rows` of ``1 / den`` where that is faster."""
+    if _unit_axis_on_cpu(x.shape):
+        return scale_rows(x, 1.0 / den)
+    return x / den[..., None]
 
 
 def guard_denominator(den, eps: float = DENOMINATOR_EPS, floor=None):
@@ -53,7 +89,7 @@ def mass_channel(phi, *, is_query: bool):
 
 def key_mass(phi):
     """``|phi|`` over the last axis (``[..., M] -> [...]``): the key-mass channel's values."""
-    return jnp.sqrt(jnp.sum(phi * phi, axis=-1) + _TINY_SQ)
+    return jnp.sqrt(rowdot(phi, phi) + _TINY_SQ)
 
 
 def denominator_floor(phi_q, mass, den_floor):
@@ -63,7 +99,7 @@ def denominator_floor(phi_q, mass, den_floor):
     under the denominator's weights)."""
     if not den_floor:
         return None
-    return den_floor * jnp.sqrt(jnp.sum(phi_q * phi_q, axis=-1) + _TINY_SQ) * mass
+    return den_floor * jnp.sqrt(rowdot(phi_q, phi_q) + _TINY_SQ) * mass
 
 
 def _append_ones(v):
@@ -102,7 +138,7 @@ def _read_out_heads_first(pq, s, z, mass, eps, den_floor):
     num = jnp.einsum("bhtm,bhmd->bhtd", pq, s)
     den = jnp.einsum("bhtm,bhm->bht", pq, z)
     floor = None if mass is None else denominator_floor(pq, mass[..., None], den_floor)
-    return jnp.swapaxes(num / guard_denominator(den, eps, floor)[..., None], 1, 2)
+    return jnp.swapaxes(divide_rows(num, guard_denominator(den, eps, floor)), 1, 2)
 
 
 def _split_mass(phi_q, phi_k, den_floor, channel=True):

@@ -33,6 +33,7 @@ from linattn_jax.core.common import (
     _split_mass,
     denominator_floor,
     guard_denominator,
+    scale_rows,
 )
 from linattn_jax.core.features import FeatureMap
 
@@ -90,7 +91,7 @@ def linear_attention(
         pq, pk, mass = _split_mass(pq, pk, den_floor)
         wk = jnp.exp(ns - lax.stop_gradient(jnp.max(ns, axis=1, keepdims=True)))  # [B, Tk, H]
         # the key weights go on v (Dv wide), not on phi_k (M wide)
-        kv = jnp.einsum("bhtm,bthd->bhmd", pk, v * wk[..., None])
+        kv = jnp.einsum("bhtm,bthd->bhmd", pk, scale_rows(v, wk))
         z = jnp.einsum("bhtm,bth->bhm", pk, wk)
         key_mass = None if mass is None else jnp.sum(mass * jnp.swapaxes(wk, 1, 2), axis=2)
         return _read_out_heads_first(pq, kv, z, key_mass, eps, den_floor)
@@ -311,7 +312,7 @@ def _fused_key_sums(fmap, params, k, v, mask, block_size, den_floor, config):
         top = lax.stop_gradient(jnp.max(ns, axis=-1))
         # The key weights, 0 at masked keys, go on v and z (c wide), not on phi (M wide).
         w = jnp.where(keepx[:, None, :], jnp.exp(ns - top[..., None]), 0.0)
-        s = jnp.einsum("bhcm,bchd->bhmd", pk, vx.astype(_f32) * jnp.swapaxes(w, 1, 2)[..., None])
+        s = jnp.einsum("bhcm,bchd->bhmd", pk, scale_rows(vx.astype(_f32), jnp.swapaxes(w, 1, 2)))
         z = jnp.einsum("bhcm,bhc->bhm", pk, w)
         zm = jnp.zeros_like(top) if mass is None else jnp.sum(mass * w, axis=-1)
         return s, z, zm, top
