@@ -99,7 +99,7 @@ def denominator_floor(phi_q, mass, den_floor):
     under the denominator's weights)."""
     if not den_floor:
         return None
-    return den_floor * jnp.sqrt(rowdot(phi_q, phi_q) + _TINY_SQ) * mass
+    return den_floor * key_mass(phi_q) * mass
 
 
 def _append_ones(v):
