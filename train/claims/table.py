@@ -23,11 +23,13 @@ each linear baseline by a 95% interval wholly > 0):
   and if any seed stays below 70% the task's other arms are not trained (`run_table`) and
   its comparisons are not testable here.
 
-Compute, from this table's own runs at 561e076 (wall seconds in their summary.json, runs two
-at a time on this 2-core CPU): a ListOps run took 296 s on average (193-376 s, 13 runs), a
-Pathfinder run 744 s (521-862 s, 3 runs: softmax, nystromformer, flexformer_n), so
-`RUN_SECONDS` counts 300 s and 800 s. `compute_hours` turns that into estimates per claim
-(hours of runs; two at a time take half the wall time).
+Compute, from this table's own runs (wall seconds in their summary.json, runs two at a time
+on this 2-core CPU): at 8820581 a ListOps run took 163 s on average (78-362 s, all 55 runs
+of the 11 arms x 5 seeds) and a Pathfinder run of softmax 316 s (298-345 s, 5 runs; the
+other arms not yet run at this code; at 561e076 a Pathfinder run took 744 s, 521-862 s, 3
+runs: softmax, nystromformer, flexformer_n), so `RUN_SECONDS` counts 180 s and 500 s.
+`compute_hours` turns that into estimates per claim (hours of runs; two at a time take half
+the wall time).
 
 Each (task, arm, seed) run lives in ``<workdir>/runs/<task>/<arm>/seed<s>`` and is keyed
 by its full config and the code version (`train.claims.cache`): a finished run with the
@@ -134,7 +136,7 @@ TASKS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 #: wall seconds of one run per task at `TASKS` (measured means, rounded up; see above)
-RUN_SECONDS = {"listops": 300.0, "pathfinder": 800.0}
+RUN_SECONDS = {"listops": 180.0, "pathfinder": 500.0}
 #: softmax's test accuracy every seed must reach for the task to count as learned
 LEARNED = {"listops": 0.25, "pathfinder": 0.70}
 QUICK = {"num_train_steps": 4, "data.num_train": 64, "data.num_val": 32, "data.num_test": 32}
