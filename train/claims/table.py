@@ -26,8 +26,9 @@ each linear baseline by a 95% interval wholly > 0):
 Compute, from this table's own runs (wall seconds in their summary.json, runs two at a time
 on this 2-core CPU): at 8820581 a ListOps run took 163 s on average (78-362 s, all 55 runs
 of the 11 arms x 5 seeds) and a Pathfinder run of softmax 316 s (298-345 s, 5 runs) and
-of the other arms 411 s (244-621 s, 39 runs: seeds 0-3 but ra's 3), so `RUN_SECONDS`
-counts 180 s and 500 s, a margin above the means.
+of the other arms 449 s (283-1204 s, 47 runs: all 50 but the three resumed from a
+checkpoint, whose time counts only the steps after it), so `RUN_SECONDS` counts 180 s and
+500 s, a margin above the means.
 `compute_hours` turns that into estimates per claim (hours of runs; two at a time take half
 the wall time).
 
