@@ -231,6 +231,26 @@ def test_table_claims_on_a_subset_of_the_tasks(tmp_path, monkeypatch):
         table.run_table(claims.Settings(tasks=("text",)))
 
 
+def test_ablation_claims_name_only_their_own_tasks_as_not_run(tmp_path, monkeypatch):
+    """LARA's ablations run on ListOps alone (`ablations.ABLATION_TASKS`): Pathfinder is not
+    one of their tasks, so it is not reported as pending."""
+    from train.claims import ablations
+
+    _no_training(monkeypatch)
+    accs = {("listops", n, s): a + s / 100 for s in range(2)
+            for n, a in (("softmax", 0.34), ("lara", 0.33), ("lara_bh", 0.32))}  # fmt: skip
+    _fake_runs(tmp_path, accs)
+    settings = claims.Settings(seeds=2, quick=True, workdir=tmp_path, findings=tmp_path / "f")
+    found = ablations.lara_decoupled_weights(settings)
+    assert found.numbers.startswith("listops: lara 33.5 +- 0.7 vs lara_bh 32.5 +- 0.7")
+    assert "not run" not in found.numbers
+    assert sum(found.data["train_runs"].values()) == 6 * 600.0  # the compute counts its runs
+    # the same comparison over every task still names the missing one
+    listops = table.run_table(settings, ("softmax", "lara", "lara_bh"), ("listops",))
+    numbers, _, _ = table.compare(listops, "lara", ["lara_bh"])
+    assert numbers.endswith("; pathfinder: not run yet")
+
+
 def test_grade():
     assert claims.grade(True, True) == claims.REPRODUCED
     assert claims.grade(True, False) == claims.PARTLY
