@@ -22,8 +22,9 @@ from train.claims.table import BEATS, LEVEL, compare, compute_hours, run_table
 
 #: LARA's ablations run on ListOps only. The choice was made at v1, where lara stayed at
 #: chance on Pathfinder mini; at v2's Pathfinder budget lara learns the task on some seeds
-#: (2 of its first 4 at 8820581, 97.5% and 97.8%), so the ablations could run there too,
-#: for about 0.7 h more of wall time two at a time. They do not, to bound the compute.
+#: (2 of 5 at 8820581, 97.5% and 97.8%), so the ablations could run there too: 4 arms x 5
+#: seeds, about 2.8 h of runs more (`compute_hours`; 1.4 h two at a time). They do not, to
+#: bound the compute.
 ABLATION_TASKS = ("listops",)
 
 
