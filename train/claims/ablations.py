@@ -18,7 +18,7 @@ from train.claims import (
 )
 from train.claims import cache as run_cache
 from train.claims.stats import Rule
-from train.claims.table import BEATS, LEVEL, compare, compute_hours, run_table
+from train.claims.table import BEATS, LEVEL, compare, compare_runs, compute_hours, run_table
 
 #: LARA's ablations run on ListOps only. The choice was made at v1, where lara stayed at
 #: chance on Pathfinder mini; at v2's Pathfinder budget lara learns the task on some seeds
@@ -26,12 +26,6 @@ from train.claims.table import BEATS, LEVEL, compare, compute_hours, run_table
 #: seeds, about 2.8 h of runs more (`compute_hours`; 1.4 h two at a time). They do not, to
 #: bound the compute.
 ABLATION_TASKS = ("listops",)
-
-
-def _ablation(settings: Settings, arms, summaries=None) -> dict:
-    return run_table(
-        settings, mechanisms=("softmax", *arms), tasks=ABLATION_TASKS, summaries=summaries
-    )
 
 
 @claim(
@@ -63,13 +57,8 @@ def ra_lra(settings: Settings) -> Finding:
 
 
 def _two_arms(settings: Settings, a: str, b: str, rule: Rule) -> tuple[str, str, dict]:
-    """``(numbers, verdict, data)``: `a` against `b` by `rule` on `ABLATION_TASKS`; `data`
-    has each comparison's verdict (``per``) and the runs' wall seconds (``train_runs``)."""
-    summaries: dict[Path, dict] = {}
-    numbers, verdict, per = compare(
-        _ablation(settings, (a, b), summaries), a, [b], rule, tasks=ABLATION_TASKS
-    )
-    return numbers, verdict, {"per": per, "train_runs": run_seconds(settings, summaries)}
+    """`a` against `b` by `rule` on `ABLATION_TASKS` (`table.compare_runs`)."""
+    return compare_runs(settings, ("softmax", a, b), a, [b], rule, ABLATION_TASKS)
 
 
 @claim(

@@ -411,8 +411,20 @@ def compare(
     return "; ".join(parts), combine(per.values()) if per else NOT_TESTABLE, per
 
 
-def _table(settings: Settings, arms, summaries=None) -> dict:
-    return run_table(settings, mechanisms=("softmax", *LINEAR, *arms), summaries=summaries)
+def compare_runs(
+    settings: Settings, mechanisms, name: str, others, rule: Rule = BEATS, tasks=None
+) -> tuple[str, str, dict]:
+    """``(numbers, verdict, data)``: `compare` on the runs of `mechanisms` (`run_table` on
+    `tasks`, default the table's); `data` has each comparison's verdict (``per``) and the
+    runs' wall seconds (``train_runs``, counted in the report's compute)."""
+    summaries: dict[Path, dict] = {}
+    runs = run_table(settings, mechanisms=mechanisms, tasks=tasks, summaries=summaries)
+    numbers, verdict, per = compare(runs, name, others, rule, tasks or TASKS)
+    return numbers, verdict, {"per": per, "train_runs": run_seconds(settings, summaries)}
+
+
+def _table(settings: Settings, arms) -> dict:
+    return run_table(settings, mechanisms=("softmax", *LINEAR, *arms))
 
 
 @claim(
@@ -513,10 +525,8 @@ def laplacian_beats_soft(settings: Settings) -> Finding:
             "`soft` differs in its landmarks, normalisation, scaling and local branch. It "
             "needs a mechanism option laplacian(kernel='gaussian').",
         )
-    summaries: dict[Path, dict] = {}
-    arms = _table(settings, ("laplacian", "laplacian_gaussian"), summaries)
-    numbers, verdict, per = compare(arms, "laplacian", ["laplacian_gaussian"])
-    data = {"per": per, "train_runs": run_seconds(settings, summaries)}
+    arms = ("softmax", *LINEAR, "laplacian", "laplacian_gaussian")
+    numbers, verdict, data = compare_runs(settings, arms, "laplacian", ["laplacian_gaussian"])
     return Finding(numbers, verdict, "Only the kernel differs between the arms.", data)
 
 
