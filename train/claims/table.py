@@ -423,8 +423,13 @@ def compare_runs(
     return numbers, verdict, {"per": per, "train_runs": run_seconds(settings, summaries)}
 
 
+def _table_mechanisms(arms) -> tuple[str, ...]:
+    """A table claim's mechanisms: softmax (the task's check), the linear baselines, `arms`."""
+    return ("softmax", *LINEAR, *arms)
+
+
 def _table(settings: Settings, arms) -> dict:
-    return run_table(settings, mechanisms=("softmax", *LINEAR, *arms))
+    return run_table(settings, mechanisms=_table_mechanisms(arms))
 
 
 @claim(
@@ -525,7 +530,7 @@ def laplacian_beats_soft(settings: Settings) -> Finding:
             "`soft` differs in its landmarks, normalisation, scaling and local branch. It "
             "needs a mechanism option laplacian(kernel='gaussian').",
         )
-    arms = ("softmax", *LINEAR, "laplacian", "laplacian_gaussian")
+    arms = _table_mechanisms(("laplacian", "laplacian_gaussian"))
     numbers, verdict, data = compare_runs(settings, arms, "laplacian", ["laplacian_gaussian"])
     return Finding(numbers, verdict, "Only the kernel differs between the arms.", data)
 
