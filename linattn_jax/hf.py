@@ -24,8 +24,8 @@ to softmax's weights). What it refuses, with a ValueError naming it: a non-causa
 in a decoder, ``output_attentions=True`` (a linear mechanism has no weight matrix), the
 decoding cache (``init_cache`` / ``past_key_values``), and training (``train=True``) with
 ``config.attention_probs_dropout_prob > 0`` (dropout on attention weights: set it to 0).
-Stochastic mechanisms (``la.get(name).stochastic``: performer and rfa redraw their features,
-ra and lara sample) draw from the ``"dropout"`` rng stream when training
+Stochastic mechanisms (``la.get(name).stochastic``: ra and lara sample, performer and rfa
+with ``redraw="call"`` redraw their features) draw from the ``"dropout"`` rng stream when training
 (``model(..., train=True, dropout_rng=key)``).
 Cross-attention layers (``add_cross_attention=True``) keep softmax.
 

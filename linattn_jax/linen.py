@@ -24,9 +24,10 @@ out NaN instead), and so do ``dropout_rate > 0`` and ``sow_weights=True``. A ran
 
 Learnable mechanism params live in the ``params`` collection under ``mechanism`` (none for
 a mechanism without params), with the logical axis name ``"heads"`` on their head axis;
-fixed random features (performer, rfa) in the ``fixed`` collection (not trained; replace
-them to redraw). Sampling mechanisms sample only when ``deterministic=False`` is given
-(the attribute or the call), from the ``"attention"`` rng stream. Projection kernels carry
+fixed random features (performer, rfa) in the ``fixed`` collection (not trained; every call
+uses them unless ``redraw="call"`` is configured; replace them to redraw). Sampling
+mechanisms sample only when ``deterministic=False`` is given (the attribute or the call),
+from the ``"attention"`` rng stream. Projection kernels carry
 the logical axis names ``("embed", "heads", "kv")`` / ``("heads", "kv", "embed")``.
 
 Decoding (``decode=True``): the layer takes one token ``[B, 1, F]`` per call and keeps its
@@ -156,7 +157,7 @@ def attention_fn(name: str, *, causal: bool = False, **config):
     per-head or per-query pattern; under ``jit`` those batch rows come out NaN), a bias,
     ``dropout_rate > 0`` and ``sow_weights``. Flax's module hands out an rng only for
     dropout, so a sampling mechanism (ra, lara,
-    performer's redraw) runs deterministic inside it.
+    performer's ``redraw="call"``) runs deterministic inside it.
     """
     mech = mu.bound_mechanism(name, config)
     if mu.has_params(mech):

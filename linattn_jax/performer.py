@@ -7,6 +7,14 @@ are detached maxima: per token for queries; for keys per token, then over the
 visible keys by the core (`core.linear_attention`'s ``key_log_scale``: over all
 unmasked keys when non-causal, a running max when causal); they cancel in the
 attention ratio. The eps is relative to each token's largest feature.
+
+Which W a call uses is the ``redraw`` policy (`core.REDRAW`): by default (``"never"``)
+always ``params["features"]``, the init draw or the one a trainer's periodic redraw
+(``redraw_every`` in `train`) stored; ``redraw="call"`` draws fresh features from `rng`
+at every call with ``deterministic=False``. The public Performer-JAX code seeds its
+"redraw" with the query's sum, which saturates to one of two fixed draws in training, and
+performer-pytorch redraws every 1000 steps: both train on a kept draw, and a fresh kernel
+every step keeps the model from learning Pathfinder (docs/random_features.md).
 """
 
 from __future__ import annotations
@@ -72,7 +80,7 @@ def init(
     rng, *, num_heads: int, head_dim: int, num_features: int = 256, shared_features: bool = True
 ):
     """``{"features": [H, M, d]}`` (``[1, M, d]`` with `shared_features`): the orthogonal
-    features used when ``deterministic=True``; a stochastic call redraws the same shape.
+    features every call uses (with ``redraw="call"``, a sampling call redraws this shape).
 
     `shared_features` (the default) gives every head the same W, the layout of the public
     FAVOR+ code (one ``[M, d]`` projection matrix): one large matmul instead of H small
@@ -137,8 +145,10 @@ def _key(k, params):
     return core.KeyFeatures(*feature_map(k, lax.stop_gradient(params["features"])))
 
 
-def _draw(params, rng):
-    """A fresh draw of the same size (the per-call redraw)."""
+def _draw(params, rng, *, redraw="never"):
+    """A fresh draw of the same size under ``redraw="call"``, else `params` itself."""
+    if redraw != "call":
+        return params
     h, m, d = params["features"].shape
     return {**params, "features": orthogonal_features(rng, h, m, d)}
 
@@ -147,10 +157,11 @@ def _draw(params, rng):
 FEATURE_MAP = core.FeatureMap(query_fn=_query, key_fn=_key, draw_fn=_draw, token_wise=True)
 
 
-def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, quadratic):
+def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, redraw, quadratic):
     _checks.check_inputs("performer", q, k, v, mask, causal=causal)
     _checks.check_positive("performer", chunk_size=chunk_size)
-    _checks.check_rng("performer", rng, deterministic)
+    core.check_redraw("performer", redraw)
+    _checks.check_rng("performer", rng, not core.redraws(redraw, deterministic))
     _checks.require_params("performer", params, "features")
     w = params["features"]
     h, d = q.shape[2], q.shape[3]
@@ -171,25 +182,46 @@ def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, quadr
         deterministic=deterministic,
         chunk_size=chunk_size,
         quadratic=quadratic,
+        redraw=redraw,
     )
 
 
 def attention(
-    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    chunk_size=64,
+    redraw="never",
 ):
     """FAVOR+ attention ``[B, Tq, H, Dv]``.
 
-    ``deterministic=True`` uses ``params["features"]``; otherwise a fresh set of
-    orthogonal features (same M) is drawn from `rng` on every call.
+    Uses ``params["features"]``, unless ``redraw="call"`` and ``deterministic=False``: then
+    a fresh set of orthogonal features (same M) is drawn from `rng` (required then).
     """
-    return _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, False)
+    return _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, redraw, False)
 
 
 def reference(
-    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    chunk_size=64,
+    redraw="never",
 ):
     """The naive quadratic form of `attention` (same features)."""
-    return _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, True)
+    return _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, redraw, True)
 
 
 MECHANISM = register(
@@ -199,7 +231,8 @@ MECHANISM = register(
         attention_fn=attention,
         reference_fn=reference,
         supports_causal=True,
-        stochastic=True,
+        stochastic=False,
+        stochastic_fn=lambda *, redraw="never": redraw == "call",
         fixed_fn=lambda: frozenset({"features"}),
         feature_map_spec=FEATURE_MAP,
         params_config_fn=lambda params: {"num_features": params["features"].shape[1]},

@@ -65,7 +65,9 @@ class Mechanism:
         deterministic, **config) -> out`` with ``q: [B, Tq, H, Dk]``,
         ``k: [B, Tk, H, Dk]``, ``v: [B, Tk, H, Dv]``, ``out: [B, Tq, H, Dv]``.
       supports_causal: whether ``causal=True`` is implemented.
-      stochastic: whether ``deterministic=False`` samples (needs ``rng``).
+      stochastic: whether ``deterministic=False`` samples (needs ``rng``) under the bound
+        config. With `stochastic_fn` it is computed from the config (and recomputed by
+        `bind`), whatever value is passed.
       fixed_fn: ``fixed(**config) -> frozenset`` of top-level param names that
         are fixed random draws (non-trainable), e.g. performer's features.
       config: the config values fixed by `bind`.
@@ -79,6 +81,8 @@ class Mechanism:
         of `params` imply (e.g. performer's ``num_features``), for the keys that only
         `init_fn` reads; None if there are none. A bound or call-time value that differs
         raises ValueError instead of being ignored.
+      stochastic_fn: ``(**config) -> bool``, whether the mechanism samples under a config
+        (e.g. performer's ``redraw="call"``); None when `stochastic` does not depend on it.
     """
 
     name: str
@@ -92,6 +96,14 @@ class Mechanism:
     reference_fn: Callable[..., Any] | None = None
     feature_map_spec: Any = None
     params_config_fn: Callable[[Any], dict[str, Any]] | None = None
+    stochastic_fn: Callable[..., bool] | None = None
+
+    def __post_init__(self):
+        if self.stochastic_fn is not None:
+            merged = {**self.defaults}
+            wanted = _config_params(self.stochastic_fn)
+            value = self.stochastic_fn(**{k: v for k, v in merged.items() if k in wanted})
+            object.__setattr__(self, "stochastic", bool(value))
 
     @property
     def feature_map(self):

@@ -1,7 +1,8 @@
 """RFA: random feature attention with trigonometric features (Peng et al. 2021).
 
 Queries and keys are unit-normalised; ``W = sigma * W~`` with ``W~ ~ N(0, I)``
-fixed (``params["features"]``, redrawn from `rng` when not deterministic) and
+fixed (``params["features"]``; redrawn from `rng` at every sampling call only with
+``redraw="call"``, see `core.REDRAW`: by default every call uses the kept draw) and
 ``sigma [H, d]`` learnable (init 1); ``phi(x) = M^(-1/2) [sin(W x); cos(W x)]``,
 so ``E[phi(q) . phi(k)] = exp(-|sigma * (q - k)|^2 / 2)``, a Gaussian kernel on
 the unit sphere (``exp(q.k - 1)`` at init). The features can be negative: the
@@ -75,18 +76,23 @@ def _key(k, params, *, gate=False):
     )
 
 
-def _draw(params, rng):
-    """Fresh ``W~ ~ N(0, I)`` of the same size (the per-call redraw)."""
+def _draw(params, rng, *, redraw="never"):
+    """Fresh ``W~ ~ N(0, I)`` of the same size under ``redraw="call"``, else `params`."""
+    if redraw != "call":
+        return params
     return {**params, "features": jax.random.normal(rng, params["features"].shape, jnp.float32)}
 
 
 FEATURE_MAP = core.FeatureMap(query_fn=feature_map, key_fn=_key, draw_fn=_draw, token_wise=True)
 
 
-def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate, quadratic):
+def _attend(
+    q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate, redraw, quadratic
+):
     _checks.check_inputs("rfa", q, k, v, mask, causal=causal)
     _checks.check_positive("rfa", chunk_size=chunk_size)
-    _checks.check_rng("rfa", rng, deterministic)
+    core.check_redraw("rfa", redraw)
+    _checks.check_rng("rfa", rng, not core.redraws(redraw, deterministic))
     h, d = q.shape[2], q.shape[3]
     _checks.require_params("rfa", params, "features")
     m = params["features"].shape[1] if params["features"].ndim == 3 else -1
@@ -109,6 +115,7 @@ def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate,
         chunk_size=chunk_size,
         quadratic=quadratic,
         gate=gate,
+        redraw=redraw,
     )
 
 
@@ -124,9 +131,14 @@ def attention(
     deterministic=False,
     chunk_size=64,
     gate=False,
+    redraw="never",
 ):
-    """RFA attention ``[B, Tq, H, Dv]``; see the module docstring."""
-    return _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate, False)
+    """RFA attention ``[B, Tq, H, Dv]``; see the module docstring. Uses
+    ``params["features"]``, unless ``redraw="call"`` and ``deterministic=False``: then a
+    fresh ``W~`` is drawn from `rng` (required then)."""
+    return _attend(
+        q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate, redraw, False
+    )
 
 
 def reference(
@@ -141,9 +153,12 @@ def reference(
     deterministic=False,
     chunk_size=64,
     gate=False,
+    redraw="never",
 ):
     """The naive quadratic form of `attention` (same features, gates as explicit decays)."""
-    return _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate, True)
+    return _attend(
+        q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate, redraw, True
+    )
 
 
 MECHANISM = register(
@@ -153,7 +168,8 @@ MECHANISM = register(
         attention_fn=attention,
         reference_fn=reference,
         supports_causal=True,
-        stochastic=True,
+        stochastic=False,
+        stochastic_fn=lambda *, redraw="never": redraw == "call",
         fixed_fn=lambda: frozenset({"features"}),
         feature_map_spec=FEATURE_MAP,
         params_config_fn=lambda params: {"num_features": params["features"].shape[1]},

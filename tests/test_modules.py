@@ -108,7 +108,7 @@ def test_nnx_attention_stream_changes_performer_only_when_stochastic():
         H,
         F,
         attention="performer",
-        attention_config={"num_features": 16},
+        attention_config={"num_features": 16, "redraw": "call"},
         rngs=nnx.Rngs(0, attention=1),
     )
     x = _x()
@@ -141,7 +141,9 @@ def test_nnx_redraw_replaces_fixed_features():
 
 def test_linen_attention_stream():
     layer = la_linen.MultiHeadAttention(
-        num_heads=H, attention="performer", attention_config=(("num_features", 16),)
+        num_heads=H,
+        attention="performer",
+        attention_config=(("num_features", 16), ("redraw", "call")),
     )
     x = _x()
     v = layer.init({"params": jax.random.key(0)}, x, deterministic=True)

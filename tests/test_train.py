@@ -77,7 +77,7 @@ def test_sharded_step_matches_single_device():
     assert jax.device_count() >= 8, "conftest fakes 8 CPU devices"
     task = toy_task()
     # performer: fixed random features ("fixed" collection) and per-step sampling ("attention")
-    config = tiny_config("performer", num_features=8)
+    config = tiny_config("performer", num_features=8, redraw="call")
     single = config.copy_and_resolve_references()
     single.mesh_shape = (1, 1)
     _, want_state, want_losses, init = _run_steps(single, task, jax.devices()[:1], keep_init=True)

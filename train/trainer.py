@@ -325,8 +325,29 @@ class Trainer:
             weights = jnp.ones(first.shape[:1], jnp.float32)
         return self.workload.loss_fn(outputs, batch, weights, self.config)
 
+    def redraw_fixed(self, extra, step):
+        """`extra` with the ``fixed`` collection (performer's and rfa's random features)
+        drawn afresh when ``config.redraw_every`` > 0 and `step` (> 0) is a multiple of it;
+        else `extra` itself. The draw is the init's distribution from the key
+        ``fold_in(init_key, step)``: a function of (seed, step) alone, so a run resumed
+        from a checkpoint redraws exactly what the uninterrupted run does. Traceable
+        (`step` may be a traced int): the train step calls it first."""
+        every = int(self.config.get("redraw_every", 0) or 0)
+        if every < 0:
+            raise ValueError(f"redraw_every must be >= 0, got {every}")
+        if every == 0 or "fixed" not in extra:
+            return extra
+
+        def fresh():
+            drawn = nn.meta.unbox(self._init_variables(jax.random.fold_in(self.init_key, step)))
+            return {**extra, "fixed": drawn["fixed"]}
+
+        due = jnp.logical_and(step > 0, step % every == 0)
+        return jax.lax.cond(due, fresh, lambda: dict(extra))
+
     def _train_step(self, state: TrainState, batch):
         rng = jax.random.fold_in(self.train_key, state.step)
+        state = state.replace(extra=self.redraw_fixed(state.extra, state.step))
 
         def loss_fn(params):
             outputs = self._apply(params, state.extra, batch, train=True, rng=rng)

@@ -55,7 +55,16 @@ from linattn_jax.core.common import (
     rowdot,
     scale_rows,
 )
-from linattn_jax.core.features import FeatureMap, KeyFeatures, cos_sin, scale_inputs, sincos
+from linattn_jax.core.features import (
+    REDRAW,
+    FeatureMap,
+    KeyFeatures,
+    check_redraw,
+    cos_sin,
+    redraws,
+    scale_inputs,
+    sincos,
+)
 from linattn_jax.core.linear import (
     attend,
     attend_features,
@@ -73,6 +82,7 @@ from linattn_jax.core.recurrent import (
 
 __all__ = [
     "DENOMINATOR_EPS",
+    "REDRAW",
     "FeatureMap",
     "KeyFeatures",
     "RecurrentState",
@@ -101,4 +111,6 @@ __all__ = [
     "scale_inputs",
     "sincos",
     "cos_sin",
+    "check_redraw",
+    "redraws",
 ]

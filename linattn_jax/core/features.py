@@ -1,5 +1,5 @@
 """The feature-map protocol (`FeatureMap`, `KeyFeatures`) and the helpers feature maps
-share (`sincos`, `cos_sin`, `scale_inputs`)."""
+share (`sincos`, `cos_sin`, `scale_inputs`, the random-feature redraw policy `REDRAW`)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,32 @@ def _reduced(x, rounding=jnp.round):
     s = r + r * r2 * (_SIN_C[0] + r2 * (_SIN_C[1] + r2 * _SIN_C[2]))
     c = 1.0 - 0.5 * r2 + r2 * r2 * (_COS_C[0] + r2 * (_COS_C[1] + r2 * _COS_C[2]))
     return k.astype(jnp.int32), s, c
+
+
+#: The random-feature redraw policies of performer and rfa (config key ``redraw``):
+#: ``"never"`` (the default): every call uses the features kept in the params (the init
+#: draw, or whatever a trainer's periodic redraw put there); ``"call"``: a call with
+#: ``deterministic=False`` draws fresh features from its rng. A fresh kernel at every
+#: training step keeps these mechanisms from learning tasks where attention must be
+#: sharp (Pathfinder: 55% against 98.5% with the kept draw, docs/random_features.md), so
+#: the kept draw is the default; the public codes keep a draw too (Performer-JAX in effect,
+#: performer-pytorch between redraws every 1000 steps, RFA's stored bank).
+REDRAW = ("never", "call")
+
+
+def check_redraw(name: str, redraw) -> None:
+    """`redraw` is one of `REDRAW`.
+
+    Raises:
+      ValueError: naming the mechanism, the value and the accepted ones.
+    """
+    if redraw not in REDRAW:
+        raise ValueError(f"{name}: redraw must be one of {REDRAW}, got {redraw!r}")
+
+
+def redraws(redraw: str, deterministic: bool) -> bool:
+    """Whether a call under policy `redraw` draws fresh features (and so needs an rng)."""
+    return redraw == "call" and not deterministic
 
 
 @jax.custom_jvp

@@ -103,6 +103,10 @@ def get_config() -> ml_collections.ConfigDict:
 
     # --- randomness
     c.seed = 0  # model init and per-step rng: fold_in(key(seed), step)
+    # > 0: redraw the fixed random features (performer's and rfa's `fixed` collection) every
+    # this many steps, from a key of (seed, step), so a resumed run redraws the same; 0: keep
+    # the init draw for the whole run (docs/random_features.md)
+    c.redraw_every = 0
     c.data_shuffle_seed = 0  # training stream shuffle seed (stream = f(seed, batch, step))
 
     # --- sharding (jax.sharding.Mesh over all devices; no pmap)
