@@ -19,6 +19,8 @@ one module each:
   ratios to softmax.
 * ``kernel_fit`` (`kernel_fit`): fits each learnable kernel to a non-stationary target
   attention at an equal feature budget.
+* ``equivalence`` (`equivalence`): a random-feature mechanism trained beside a stand-in of
+  its public algorithm in the same model, config and seeds (curves and accuracies).
 * ``parallel`` (`parallel`): per-device memory of sequence-parallel attention.
 * ``report`` (`summary`): the markdown summary (ratios at one T, crossing points, growth per
   doubling, fidelity and model tables) from the JSON files of the other subcommands.

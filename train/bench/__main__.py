@@ -9,7 +9,17 @@ import sys
 from collections.abc import Sequence
 
 import train.bench
-from train.bench import common, fidelity, isolation, kernel_fit, model, parallel, scaling, summary
+from train.bench import (
+    common,
+    equivalence,
+    fidelity,
+    isolation,
+    kernel_fit,
+    model,
+    parallel,
+    scaling,
+    summary,
+)
 
 #: Subcommands that measure mechanisms: name -> (module, help).
 MEASURED = {
@@ -36,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     kernel_fit.add_arguments(
         sub.add_parser("kernel_fit", help="fit learnable kernels to a non-stationary target")
     )
+    equivalence.add_arguments(
+        sub.add_parser("equivalence", help="train a mechanism beside its public algorithm")
+    )
     parallel.add_arguments(
         sub.add_parser("parallel", help="per-device memory of sequence-parallel attention")
     )
@@ -61,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> dict | str | list:
         return table
     if args.command == "kernel_fit":
         return kernel_fit.main_from_args(args)
+    if args.command == "equivalence":
+        return equivalence.main_from_args(args)
     if args.command == "parallel":
         return parallel.main_from_args(args, parser)
     if args.command == "report":

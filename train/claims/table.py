@@ -49,6 +49,7 @@ import numpy as np
 import linattn_jax as la
 from train import configs
 from train import trainer as trainer_lib
+from train.bench import equivalence
 from train.claims import (
     MIN_SEEDS,
     NOT_TESTABLE,
@@ -126,15 +127,8 @@ TASKS: dict[str, tuple[str, dict[str, Any]]] = {
             "num_train_steps": 500,
         },
     ),
-    "pathfinder": (
-        "mini",
-        {
-            "data.num_train": 100_000,
-            "data.num_val": 1000,
-            "data.num_test": 2000,
-            "num_train_steps": 5000,
-        },
-    ),
+    # the training-equivalence benchmark's Pathfinder mini: 100k images, 5000 steps
+    "pathfinder": equivalence.TASKS["pathfinder"],
 }
 #: wall seconds of one run per task at `TASKS` (measured means, rounded up; see above)
 RUN_SECONDS = {"listops": 180.0, "pathfinder": 500.0}
