@@ -12,7 +12,7 @@ from test_train import tiny_config, toy_task
 import linattn_jax as la
 from train import checkpoint as ckpt_lib
 from train import configs
-from train.bench import peers
+from train.bench import training_peers
 from train.data.pipeline import ArraySource, Task
 from train.loop import Trainer, TrainState
 
@@ -114,10 +114,10 @@ def _final_loss(attention, task, steps=300, **attention_config):
 def test_kept_features_train_where_a_per_call_redraw_does_not(name):
     """Copy-the-first-token in 300 steps (1 layer, M = 16, fixed seeds): the kept draw
     learns it (mean loss of the last 50 steps: 0.0008 performer, 0.0013 rfa) and so does
-    the public FAVOR+ algorithm (`peers.training_peer`: 0.0010); a fresh kernel at every
+    the public FAVOR+ algorithm (`training_peers.training_peer`: 0.0010); a fresh kernel at every
     step does not (1.85, 1.78; chance is log 7 = 1.95). The bounds sit in that gap."""
     task = _copy_first_task()
     assert _final_loss(name, task) < 0.2
     assert _final_loss(name, task, redraw="call") > 1.5
     if name == "performer":
-        assert _final_loss(peers.training_peer("performer"), task) < 0.2
+        assert _final_loss(training_peers.training_peer("performer"), task) < 0.2

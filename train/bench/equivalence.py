@@ -6,7 +6,7 @@ agrees. This benchmark trains, in the same model, config, data and seeds, three 
 * ``ours``: the registered mechanism with its defaults (features drawn at init and kept);
 * ``ours_redraw_call``: the same with ``redraw="call"`` (fresh features at every training
   call, the behaviour of this library before the redraw policy existed);
-* ``public``: a faithful stand-in of the public algorithm (`peers.training_peer`): the
+* ``public``: a faithful stand-in of the public algorithm (`training_peers.training_peer`): the
   public Performer-JAX FAVOR+ with its query-seeded redraw, or the public RFA's bank of
   stored matrices sampled once per step.
 
@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 
 from train import configs, loop
-from train.bench import common, peers
+from train.bench import common, training_peers
 from train.metrics import read_jsonl
 
 #: task -> (preset, config overrides); ``train.claims.table.TASKS`` trains its Pathfinder
@@ -59,7 +59,7 @@ def arm_config(task: str, mechanism: str, arm: str, seed: int, *, steps=None, qu
     configs.set_attention(config, mechanism)
     options = config.attention_config.to_dict()
     if arm == "public":
-        configs.set_attention(config, peers.training_peer(mechanism))
+        configs.set_attention(config, training_peers.training_peer(mechanism))
         config.attention_config.update(options)
     elif arm == "ours_redraw_call":
         config.attention_config.redraw = "call"
@@ -138,7 +138,7 @@ def table(result: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mechanism", required=True, choices=sorted(peers.TRAINING_PEERS))
+    p.add_argument("--mechanism", required=True, choices=sorted(training_peers.TRAINING_PEERS))
     p.add_argument("--task", default="pathfinder", choices=sorted(TASKS))
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)

@@ -14,10 +14,9 @@ same process and on the same inputs, as a row ``<name>_peer``, and prints a tabl
   (``make_fast_softmax_attention`` with its defaults), JAX.
 * ``lara_peer``: HKUNLP ``efficient-attention`` ``LinearRA`` (its defaults), PyTorch.
 * ``ra_peer``: HKUNLP ``efficient-attention`` ``RandomizedAttention`` (its default), PyTorch.
-* ``rfa_peer``: haopeng-uw ``RFA`` (``random_project``, ``rrf`` features), PyTorch.
 
-`training_peer` registers a peer as a mechanism so that it trains in our models
-(``python -m train.bench equivalence``).
+Peers that train in our models (``python -m train.bench equivalence``) are in
+`train.bench.training_peers`.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from linattn_jax import registry
 from train.bench import common
 
 # ----------------------------------------------------------------------------- LARA / RA
@@ -404,105 +402,6 @@ def performer_peer(
     r = r + 2 * stabilizer * (jnp.abs(r) <= stabilizer)
     out = w * jnp.reciprocal(r)[..., None]  # [B, H, T, D]
     return jnp.transpose(out, (0, 2, 1, 3))
-
-
-# ----------------------------------------------------------------------------- RFA
-
-#: The public RFA's feature scale and denominator clamp (``SCALE``, ``EPS`` of the
-#: haopeng-uw/RFA ``utils.py`` at 6d59b1c).
-RFA_SCALE = 0.1
-RFA_EPS = 0.1
-#: How many stored random matrices the public RFA samples from (its suggested 200).
-RFA_BANK = 200
-
-
-def rfa_peer_init(rng, *, num_heads: int, head_dim: int, num_features: int = 64):
-    """The public RFA's state: ``bank [RFA_BANK, M, d]`` Gaussian matrices (its ``rrf``
-    files, loaded as a non-trainable parameter) and ``sigma [H, 1, d]`` (its
-    ``reparam_proj``, init 1; learnable, as our rfa's ``sigma``)."""
-    return {
-        "bank": jax.random.normal(rng, (RFA_BANK, num_features, head_dim), jnp.float32),
-        "sigma": jnp.ones((num_heads, 1, head_dim), jnp.float32),
-    }
-
-
-def rfa_peer(
-    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, num_features=64
-):
-    """The public RFA (haopeng-uw/RFA ``random_project`` with ``rrf`` features, tau 1,
-    ``reparam_proj``), non-causal: ``[B, T, H, D]`` in and out.
-
-    Structure followed: in training (``deterministic=False``) every call samples H of the
-    stored matrices without replacement (their ``sample_random_matrices``; here from `rng`),
-    in evaluation the first H; ``W = sigma * W~``; ``x^ = x / (|x| + 1e-3)``; ``phi(x) =
-    SCALE [sin(W x^), cos(W x^)]`` interleaved; the attention ``phi(q) (phi(k)^T v)`` over
-    ``phi(q) . sum phi(k)`` clamped below at ``EPS``. Differences: no causal or cross-attention
-    forms (the benchmark's tasks are bidirectional), `mask` zeroes the keys it drops.
-    """
-    if causal:
-        raise ValueError("rfa_peer: the stand-in has no causal form")
-    h = q.shape[2]
-    bank = lax.stop_gradient(params["bank"])
-    if deterministic:
-        w = bank[:h]
-    else:
-        w = bank[jax.random.choice(rng, bank.shape[0], (h,), replace=False)]
-    w = params["sigma"] * w  # [H, M, d]
-
-    def phi(x):
-        x = x / (jnp.linalg.norm(x, axis=-1, keepdims=True) + 1e-3)
-        p = jnp.einsum("bthd,hmd->bthm", x, w)
-        return RFA_SCALE * jnp.stack([jnp.sin(p), jnp.cos(p)], -1).reshape(*p.shape[:-1], -1)
-
-    qp, kp = phi(q), phi(k)
-    if mask is not None:
-        kp = kp * mask[:, :, None, None]
-    s = jnp.einsum("bthm,bthd->bhmd", kp, v)
-    z = jnp.sum(kp, axis=1)  # [B, H, 2M]
-    den = jnp.maximum(jnp.einsum("bthm,bhm->bth", qp, z), RFA_EPS)
-    return jnp.einsum("bthm,bhmd->bthd", qp, s) / den[..., None]
-
-
-def performer_peer_attention(
-    q, k, v, params=None, rng=None, *, mask=None, causal=False, deterministic=False,
-    num_features=256,
-):  # fmt: skip
-    """`performer_peer` as a registry attention function (no params; for training): the
-    public code's own query-seeded redraw at every call, training or not. The public
-    function has no key-padding mask: `mask` must be all True (an image task's)."""
-    del params, rng, mask, deterministic
-    return performer_peer(q, k, v, None, num_features=num_features, causal=causal)
-
-
-#: name -> the registry record of a peer that trains in our models (`training_peer`).
-TRAINING_PEERS = {
-    "performer": dict(
-        init_fn=lambda rng, *, num_heads, head_dim, num_features=256: {},
-        attention_fn=performer_peer_attention,
-        supports_causal=True,
-        stochastic=False,
-        description="public Performer-JAX FAVOR+ (stand-in), query-seeded redraw",
-    ),
-    "rfa": dict(
-        init_fn=rfa_peer_init,
-        attention_fn=rfa_peer,
-        supports_causal=False,
-        stochastic=True,
-        fixed_fn=lambda **_: frozenset({"bank"}),
-        description="public RFA (stand-in): a stored matrix bank, one sample per step",
-    ),
-}
-
-
-def training_peer(name: str) -> str:
-    """Registers (once) the peer of `name` as the mechanism ``<name>_peer``, so that
-    ``python -m train`` and `train.loop` train it in our models; returns its name."""
-    if name not in TRAINING_PEERS:
-        raise ValueError(f"no training peer for {name!r}; have {sorted(TRAINING_PEERS)}")
-    peer = peer_name(name)
-    if peer not in registry.names():
-        registry.register(registry.Mechanism(name=peer, **TRAINING_PEERS[name]))
-    return peer
 
 
 # ----------------------------------------------------------------------------- the bench
