@@ -13,7 +13,7 @@ from test_train import tiny_config, toy_task
 
 from train import kernel_diagnostics as kd
 from train import loop
-from train.loop import Trainer
+from train.trainer import Trainer
 
 KEYS = {"freq_norm_ratio", "scale_ratio", "neg_weight_frac", "entropy_ratio", "shift_gap"}
 

@@ -303,3 +303,48 @@ def test_function_length_exemptions_match_something():
         if isinstance(node, ast.FunctionDef) and _exempt(p, node.name)
     ]
     assert exempt, f"FUNCTION_LENGTH_EXEMPT names no function: {FUNCTION_LENGTH_EXEMPT}"
+
+
+def _module_graph():
+    """Module -> the modules of this repository it imports (at any depth of its code, so a
+    function-level import counts), over `PACKAGES`; packages' ``__init__`` left out (they
+    gather their modules' names for users)."""
+    files = {_module_name(p): p for p in _package_files() if p.name != "__init__.py"}
+    return {name: sorted(_imported_modules(p) & set(files) - {name}) for name, p in files.items()}
+
+
+def _cycles(graph):
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    """The modules of train/, linattn_jax/ and kernels/ import one another without a circle,
+    function-level imports included (a circle hidden inside a function is still one)."""
+    assert _cycles(_module_graph()) == []

@@ -158,7 +158,8 @@ def test_perplexity_decreases_on_a_small_corpus(tmp_path):
     process: ``AwaitAndLogIfStuck`` in ``InProcessCommunicator::AllReduce``, seen in gdb).
     Sharded steps are covered by tests/test_vision.py.
     """
-    from train import configs, loop
+    from train import configs
+    from train import trainer as trainer_lib
 
     config = configs.get_config("lm", "mini")
     config.attention = "flexformer_n"
@@ -166,7 +167,7 @@ def test_perplexity_decreases_on_a_small_corpus(tmp_path):
     config.data.update(path=str(_license()), seq_len=64, val_fraction=0.1)
     config.model.update(num_layers=1, emb_dim=32, num_heads=2, qkv_dim=32, mlp_dim=64)
     config.update(batch_size=16, num_train_steps=120, learning_rate=3e-3, warmup_steps=10)
-    trainer = loop.Trainer(config, devices=jax.devices()[:1])
+    trainer = trainer_lib.Trainer(config, devices=jax.devices()[:1])
     state = trainer.init_state()
     data = trainer.data
 

@@ -11,7 +11,7 @@ from test_train import tiny_config, toy_task
 
 from train import checkpoint as ckpt_lib
 from train import trainer as trainer_lib
-from train.loop import Trainer, TrainState
+from train.trainer import Trainer, TrainState
 
 MULT = 4.0
 

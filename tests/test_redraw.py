@@ -14,7 +14,7 @@ from train import checkpoint as ckpt_lib
 from train import configs
 from train.bench import training_peers
 from train.data.pipeline import ArraySource, Task
-from train.loop import Trainer, TrainState
+from train.trainer import Trainer, TrainState
 
 RANDOM_FEATURES = ("performer", "rfa")
 

@@ -14,9 +14,11 @@ from _helpers import max_rel_err
 from jax.sharding import PartitionSpec
 
 from train import checkpoint as ckpt_lib
-from train import configs, loop, models
+from train import configs, models
+from train import trainer as trainer_lib
 from train.data.pipeline import ArraySource, Task
-from train.loop import Trainer, learning_rate_schedule
+from train.schedules import learning_rate_schedule
+from train.trainer import Trainer
 
 SEQ = 32
 
@@ -348,7 +350,7 @@ def test_param_ema_is_the_average_of_the_params_after_each_step(tmp_path):
     """`param_ema` against the recursion written out, and a Trainer that keeps one: sharded
     like the params, evaluated in their place, and the same as the recursion over the
     params the training steps produced."""
-    tx = loop.param_ema(0.75)
+    tx = trainer_lib.param_ema(0.75)
     params = {"w": jnp.arange(3.0), "b": jnp.ones(())}
     state = tx.init(params)
     want = jax.tree.map(np.asarray, params)
@@ -359,16 +361,16 @@ def test_param_ema_is_the_average_of_the_params_after_each_step(tmp_path):
         params = optax.apply_updates(params, updates)
         want = jax.tree.map(lambda e, p: 0.75 * e + 0.25 * np.asarray(p), want, params)
     for k in want:
-        np.testing.assert_allclose(np.asarray(loop.ema_params(state)[k]), want[k], rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(trainer_lib.ema_params(state)[k]), want[k], rtol=1e-6)
     with pytest.raises(ValueError, match="ema_decay"):
-        loop.param_ema(1.0)
+        trainer_lib.param_ema(1.0)
 
     task = toy_task()
     config = tiny_config("softmax")
     config.ema_decay = 0.5
     config.mesh_shape = (1, 2)  # FSDP: "embed" params are split over 2 devices
     trainer = Trainer(config, task, devices=jax.devices()[:2])
-    ema_shardings = loop.ema_params(trainer.state_shardings.opt_state)
+    ema_shardings = trainer_lib.ema_params(trainer.state_shardings.opt_state)
     param_shardings = trainer.state_shardings.params
     assert jax.tree.structure(ema_shardings) == jax.tree.structure(param_shardings)
     assert jax.tree.leaves(ema_shardings) == jax.tree.leaves(param_shardings)
@@ -385,7 +387,7 @@ def test_param_ema_is_the_average_of_the_params_after_each_step(tmp_path):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
     ema_eval = trainer.evaluate(state, "val", num_batches=1)
     raw = dataclasses.replace(state, opt_state=trainer.init_state().opt_state[:-1])
-    assert loop.ema_params(raw.opt_state) is None and trainer.eval_params(raw) is raw.params
+    assert trainer_lib.ema_params(raw.opt_state) is None and trainer.eval_params(raw) is raw.params
     raw_eval = trainer.evaluate(raw, "val", num_batches=1)
     assert ema_eval["loss"] != raw_eval["loss"]
     # checkpointed with the optimizer state: restored bitwise, with the params' shardings
@@ -393,7 +395,7 @@ def test_param_ema_is_the_average_of_the_params_after_each_step(tmp_path):
     ck.save(3, state.as_dict(), {"step": 3})
     restored, _ = ck.restore_latest(trainer.abstract_sharded_state().as_dict())
     ck.close()
-    restored = loop.TrainState.from_dict(restored)
+    restored = trainer_lib.TrainState.from_dict(restored)
     for x, y in zip(
         jax.tree.leaves(trainer.eval_params(restored)), jax.tree.leaves(got), strict=True
     ):

@@ -446,7 +446,7 @@ def test_every_entry_point_runs_every_mechanism(attention, smoke_data, tmp_path)
     flexformer's ``num_features``). For the mechanisms of `REAL_RUN` one entry point also
     runs its ``main`` for two real steps.
     """
-    from train.loop import Trainer
+    from train.trainer import Trainer
 
     tfds = pytest.importorskip("tensorflow_datasets")
     data_dir, text = smoke_data

@@ -18,7 +18,7 @@ import pytest
 from _helpers import TINY_CLI
 
 from train import checkpoint as ckpt_lib
-from train import cli, configs, guard, lm, results
+from train import cli, configs, errors, guard, lm, results
 from train.__main__ import main
 from train.metrics import read_jsonl
 
@@ -201,7 +201,7 @@ def test_checkpointer_refuses_when_none_restores(tmp_path):
         for p in (tmp_path / sub).rglob("*"):
             if p.is_file():
                 p.write_bytes(b"\x00garbage")
-    with pytest.raises(guard.WorkdirError, match="none of the 2 checkpoints .* restores"):
+    with pytest.raises(errors.WorkdirError, match="none of the 2 checkpoints .* restores"):
         ck.restore_latest(target)
     assert sorted(ck.latest.all_steps()) == [1, 2]  # nothing moved
     with pytest.warns(RuntimeWarning, match="no checkpoint in .*best restores"):
@@ -212,7 +212,7 @@ def test_checkpointer_refuses_when_none_restores(tmp_path):
     ck = ckpt_lib.Checkpointer(tmp_path / "b", async_save=False)
     ck.save(1, _tree(1), {"step": 1})
     wrong = {"w": jax.ShapeDtypeStruct((4, 4), np.float32), "step": target["step"]}
-    with pytest.raises(guard.WorkdirError, match=r"w float32\[4, 3\] stored, float32\[4, 4\]"):
+    with pytest.raises(errors.WorkdirError, match=r"w float32\[4, 3\] stored, float32\[4, 4\]"):
         ck.restore_latest(wrong)
     ck.close()
 
@@ -246,7 +246,7 @@ def test_bad_settings_fail_before_the_workdir_exists(flag, key, tmp_path, capsys
 
 
 def test_bad_settings_in_the_other_entry_points(tmp_path, capsys):
-    with pytest.raises(guard.ConfigError, match=r"num_train_steps \(--steps\)"):
+    with pytest.raises(errors.ConfigError, match=r"num_train_steps \(--steps\)"):
         lm.main(["--steps=0", f"--workdir={tmp_path / 'lm'}", "--no_progress"])
     assert not (tmp_path / "lm").exists()
     (row,) = results.main(

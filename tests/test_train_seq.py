@@ -15,7 +15,7 @@ from test_train import tiny_config, toy_task
 
 from train import checkpoint as ckpt_lib
 from train import configs
-from train.loop import Trainer, TrainState
+from train.trainer import Trainer, TrainState
 
 
 def _lm_config(attention="linear_elu", seq_len=32, **attention_config):

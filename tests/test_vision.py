@@ -15,7 +15,8 @@ from _helpers import max_rel_err
 
 import linattn_jax as la
 from linattn_jax import registry
-from train import configs, loop, vision
+from train import configs, vision
+from train import trainer as trainer_lib
 from train.data import DatasetNotFoundError
 
 tfds = pytest.importorskip("tensorflow_datasets")
@@ -73,7 +74,7 @@ def test_vit_sharded_steps_every_mechanism(tmp_path, grid_spy, attention):
     ``--xla_cpu_collective_call_terminate_timeout_seconds=3600`` in conftest removes it.)
     """
     with tfds.testing.mock_data(num_examples=16):
-        trainer = loop.Trainer(_config(tmp_path, "imagenet2012", attention))
+        trainer = trainer_lib.Trainer(_config(tmp_path, "imagenet2012", attention))
         assert dict(trainer.mesh.shape) == {"data": 8, "fsdp": 1}
         state = trainer.init_state()
         before = jax.tree.map(np.asarray, state.params)
@@ -103,7 +104,7 @@ def test_vit_cifar10_and_grid_config(tmp_path):
         c = _config(tmp_path, "cifar10", "laplacian")
         c.data.image_size = 32
         c.model.update(mixup_alpha=0.8, cutmix_alpha=1.0)
-        trainer = loop.Trainer(c)
+        trainer = trainer_lib.Trainer(c)
         assert trainer.data.num_examples("train") == 18 and trainer.data.num_examples("val") == 2
         assert dict(trainer.model.block_attention_config())["grid"] == (8, 8)
         state = trainer.init_state()
@@ -257,7 +258,7 @@ def test_weight_decay_skips_position_and_cls_tokens():
     model = vision.build_vit(c, num_classes=3, image_size=(8, 8))
     params = model.init({"params": jax.random.key(0)}, jnp.zeros((1, 8, 8, 3), jnp.uint8))
     params = jax.tree.map(lambda x: x + 1.0, nn.unbox(params["params"]))  # no zero params
-    opt, schedule = loop.make_optimizer(c)
+    opt, schedule = trainer_lib.make_optimizer(c)
     updates, _ = opt.update(jax.tree.map(jnp.zeros_like, params), opt.init(params), params)
     lr_wd = float(schedule(0)) * c.weight_decay
     decayed = set()

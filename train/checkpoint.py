@@ -11,7 +11,7 @@ array comes back with the sharding the step expects); ``meta`` is JSON (step, da
 position, best metric so far, ...). When the newest checkpoints fail to restore (corrupt
 or partially deleted files) the next older one is tried, and once one restores the failed
 ones are moved aside with a warning; when none restores, nothing is moved and
-`restore_latest` raises `train.guard.WorkdirError` (one line: never a silent restart from
+`restore_latest` raises `train.errors.WorkdirError` (one line: never a silent restart from
 step 0). Partial saves of a killed run are never listed (orbax writes to a temporary
 directory and renames it on completion).
 """
@@ -32,7 +32,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from train.guard import WAY_ON, WorkdirError
+from train.errors import WAY_ON, WorkdirError
 
 log = logging.getLogger(__name__)
 

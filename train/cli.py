@@ -164,7 +164,7 @@ def expected_error(error: BaseException) -> bool:
     """Whether `error` is one a command reports in one line (`run`): a bad setting or a
     refused workdir (`train.guard`), a missing data set, an OS error (it names its path)."""
     from train.data import DatasetNotFoundError
-    from train.guard import ConfigError, WorkdirError
+    from train.errors import ConfigError, WorkdirError
 
     return isinstance(error, (ConfigError, WorkdirError, DatasetNotFoundError, OSError))
 

@@ -7,10 +7,11 @@ point on the loop (``python -m train``, ``train.vision``, ``train.lm``, ``train.
 
 - Non-positive ``num_train_steps``, ``log_every``, ``eval_every``, ``checkpoint_every``,
   ``max_to_keep``, ``batch_size`` or ``eval_batch_size``, an unknown ``attention``: a
-  `ConfigError` before the workdir is touched (or created).
+  `train.errors.ConfigError` before the workdir is touched (or created).
 - The workdir's ``config.json`` (written once its checkpoints restore) is its identity. A
   rerun whose config differs from it in any key but those of `RESUMABLE` is refused with a
-  `WorkdirError` naming the keys that differ; nothing in the workdir is moved or changed.
+  `train.errors.WorkdirError` naming the keys that differ; nothing in the workdir is moved or
+  changed.
   ``num_train_steps`` may grow (extend a run) when the learning rates of the steps already
   run stay the same (`same_learning_rates`: rsqrt and constant schedules, cosine within its
   warmup): the extended run is then the run of the new config.
@@ -33,14 +34,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
 
-class ConfigError(ValueError):
-    """A setting no run can start with (named with its value and what is accepted)."""
-
-
-class WorkdirError(RuntimeError):
-    """The workdir holds something the run must not silently replace or restart over."""
-
+from train.errors import WAY_ON, ConfigError, WorkdirError
+from train.schedules import learning_rate_schedule
 
 #: config keys that may differ on resume: they change what is logged, evaluated or saved and
 #: where or how the run executes, never the training trajectory (the mesh keys change float
@@ -89,8 +87,6 @@ RUN_FILES = (
 )
 
 #: how a refusal says the way on
-WAY_ON = "train it in a new --workdir, or rerun with --restart to delete this run and start over"
-
 _POSITIVE = (
     "num_train_steps",
     "log_every",
@@ -164,11 +160,6 @@ def same_learning_rates(config, old_steps: int) -> bool:
     """Whether `config`'s schedule gives steps ``0 .. old_steps - 1`` the learning rates it
     gave them with ``num_train_steps = old_steps``: always for rsqrt and constant, for cosine
     while those steps are all in the warmup (its decay spans the total)."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    from train.trainer import learning_rate_schedule
-
     old = config.copy_and_resolve_references()
     old.num_train_steps = int(old_steps)
     steps = jnp.arange(int(old_steps))
@@ -255,9 +246,6 @@ def os_errors(workdir: Path):
 __all__ = [
     "RESUMABLE",
     "RUN_FILES",
-    "WAY_ON",
-    "ConfigError",
-    "WorkdirError",
     "check_config",
     "config_dict",
     "config_differences",

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 import linattn_jax as la
-from train import cli
+from train import cli, loop
+from train import trainer as trainer_lib
 from train.data.text import (
     VOCAB_SIZE,
     WIKITEXT_FILES,
@@ -96,8 +97,6 @@ def main(argv=None) -> dict:
     ``{"summary", "sample"}``."""
     args, config = config_from_argv(argv)
     workdir = args.workdir or f"workdir/lm_{args.preset}_{args.attention}"
-    from train import loop
-
     out: dict[str, Any] = {}
     if not args.generate_only:
         summary = loop.train_and_evaluate(config, workdir, restart=args.restart)
@@ -111,8 +110,8 @@ def main(argv=None) -> dict:
                     flush=True,
                 )
         out["summary"] = summary
-    trainer, state, _ = loop.restore_run(config, workdir)
-    variables = loop.eval_variables(state)
+    trainer, state, _ = trainer_lib.restore_run(config, workdir)
+    variables = trainer_lib.eval_variables(state)
     prompt = encode_text(args.prompt)[None, : config.data.seq_len - 1]
     room = int(config.data.seq_len) - prompt.shape[1]
     ids = generate(

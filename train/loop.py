@@ -73,23 +73,7 @@ import numpy as np
 from train import checkpoint as ckpt_lib
 from train import guard, kernel_diagnostics
 from train import metrics as metrics_lib
-
-# re-exported: the names `train.loop` held before the trainer and workloads moved out
-from train.losses import classification_loss
-from train.trainer import (
-    ParamEmaState,
-    Trainer,
-    TrainState,
-    count_params,
-    ema_params,
-    eval_variables,
-    learning_rate_schedule,
-    make_optimizer,
-    memory_analysis_dict,
-    param_ema,
-    restore_run,
-)
-from train.workloads import LRA_WORKLOAD, WORKLOADS, Workload, get_workload
+from train.trainer import Trainer, TrainState, count_params
 
 log = logging.getLogger(__name__)
 
@@ -356,7 +340,7 @@ def train_and_evaluate(
 
     ``data``: an already built data object (tests); default ``workload.build_data(config)``.
     Before anything is written, `train.guard` checks the settings and what ``workdir`` holds:
-    a run of another config is refused (`train.guard.WorkdirError`), a finished run of this
+    a run of another config is refused (`train.errors.WorkdirError`), a finished run of this
     one returns its stored summary (``"rerun": True``; nothing trained or appended), and
     ``restart=True`` deletes the workdir's run files first and starts from step 0.
     """
@@ -504,27 +488,11 @@ def format_summary(summary: Mapping[str, Any]) -> str:
 
 
 __all__ = [
-    "LRA_WORKLOAD",
-    "WORKLOADS",
-    "ParamEmaState",
-    "Trainer",
-    "TrainState",
-    "Workload",
-    "classification_loss",
-    "count_params",
-    "ema_params",
-    "eval_variables",
     "evaluate_and_track",
     "final_evaluation",
     "format_summary",
-    "get_workload",
-    "restore_run",
-    "learning_rate_schedule",
-    "make_optimizer",
-    "memory_analysis_dict",
     "make_summary",
     "maybe_initialize_distributed",
-    "param_ema",
     "restore_or_init",
     "save_summary",
     "train_batches",

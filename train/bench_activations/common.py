@@ -12,7 +12,7 @@ import numpy as np
 from train import configs
 from train.data.images import ImageTask
 from train.distill import capture_attention
-from train.loop import Trainer
+from train.trainer import Trainer
 
 SECTIONS = ("denominators", "stability", "laplacian", "kernels")
 TINY = 1e-3  # a denominator is tiny when |den| < TINY * median |den| of its layer

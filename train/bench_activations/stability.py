@@ -9,7 +9,7 @@ import numpy as np
 
 from train import configs
 from train.bench_activations.common import MESHES, SEEDS, run_steps
-from train.loop import Trainer
+from train.trainer import Trainer
 
 
 # ---------------------------------------------------------------------------- stability

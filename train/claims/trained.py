@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train import loop
+from train import trainer as trainer_lib
 from train.claims import (
     NOT_REPRODUCED,
     PARTLY,
@@ -30,8 +30,10 @@ def trained_qk(settings: Settings, task: str, name: str = "softmax", seed: int =
 
     train_run(settings, task, name, seed)
     run_dir = Path(settings.workdir) / "runs" / task / name / f"seed{seed}"
-    trainer, state, _ = loop.restore_run(task_config(task, name, seed, settings.quick), run_dir)
-    variables = loop.eval_variables(state)
+    trainer, state, _ = trainer_lib.restore_run(
+        task_config(task, name, seed, settings.quick), run_dir
+    )
+    variables = trainer_lib.eval_variables(state)
     out = []
     for inputs in eval_inputs(trainer, 2):
         calls = capture_attention(trainer.model, variables, *inputs, deterministic=True)
