@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
 import jax
@@ -147,3 +148,42 @@ def check_params(name: str, params, expected: dict) -> None:
 def _short(x, limit: int = 60) -> str:
     text = repr(x)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def matmul_precision(name, precision):
+    """A scope for flax's `precision` argument (one `jax.lax.Precision` or its name)."""
+    if precision is None:
+        yield
+        return
+    value = getattr(precision, "name", precision)
+    if not isinstance(value, str):
+        raise ValueError(
+            f"{name}: precision={precision!r}: give one jax.lax.Precision or its name (a pair "
+            "of precisions is supported by softmax only)"
+        )
+    with jax.default_matmul_precision(value.lower()):
+        yield
+
+
+def refuse_unsupported(name, *, bias=None, dropout_rate=0.0, module=None, einsums=(None, None)):
+    """ValueError naming the first flax option a non-softmax attention cannot apply."""
+    if bias is not None:
+        raise ValueError(
+            f"bias: {name} cannot add an attention bias (got shape {jnp.shape(bias)}); only "
+            "attention='softmax' takes one"
+        )
+    if dropout_rate > 0:
+        raise ValueError(
+            f"dropout_rate={dropout_rate}: {name} forms no attention weights to drop out; set "
+            "dropout_rate=0 (only attention='softmax' applies attention dropout)"
+        )
+    if module is not None:
+        raise ValueError(
+            f"sow_weights=True: {name} forms no [batch, heads, q_len, kv_len] attention "
+            "weights to sow; only attention='softmax' does"
+        )
+    if any(einsums):
+        raise ValueError(
+            f"qk_attn_weights_einsum / attn_weights_value_einsum: {name} has no such einsums"
+        )

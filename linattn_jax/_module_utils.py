@@ -4,18 +4,14 @@ params, and the decode state."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from linattn_jax import core, registry
-from linattn_jax.ra import ra_flax_attention
+from linattn_jax import _checks, core, registry
 
 #: Logical axis names of the projection kernels (map them to mesh axes with rules).
 QKV_AXES = ("embed", "heads", "kv")
@@ -145,91 +141,6 @@ def _mask_message(name, m, shape, causal, causal_ok):
 # ----------------------------------------------------------------------------- attention
 
 
-@contextlib.contextmanager
-def _precision(name, precision):
-    if precision is None:
-        yield
-        return
-    value = getattr(precision, "name", precision)
-    if not isinstance(value, str):
-        raise ValueError(
-            f"{name}: precision={precision!r}: give one jax.lax.Precision or its name (a pair "
-            "of precisions is supported by softmax only)"
-        )
-    with jax.default_matmul_precision(value.lower()):
-        yield
-
-
-def _flax_softmax(q, k, v, *, bias, mask, causal, module, force_fp32_for_softmax, einsums, **kw):
-    """Flax's own ``dot_product_attention`` (linen's, or nnx's for an nnx `module`)."""
-    if causal:
-        mask = nn.combine_masks(mask, _tril(q.shape[1], k.shape[1]))
-    if isinstance(module, nnx.Module):
-        if force_fp32_for_softmax or any(einsums):
-            raise ValueError(
-                "softmax: force_fp32_for_softmax / qk_attn_weights_einsum are linen-only"
-            )
-        return nnx.dot_product_attention(q, k, v, bias, mask, module=module, **kw)
-    q_e, v_e = einsums
-    return nn.dot_product_attention(
-        q,
-        k,
-        v,
-        bias,
-        mask,
-        module=module,
-        force_fp32_for_softmax=force_fp32_for_softmax,
-        qk_attn_weights_einsum=q_e,
-        attn_weights_value_einsum=v_e,
-        **kw,
-    )
-
-
-def _flax_ra(mech, q, k, v, rng, *, dtype, precision, dropout_rate, dropout_rng, **kw):
-    """ra with flax's mask, bias and dropout (`linattn_jax.ra.ra_flax_attention`). With
-    dropout on, ra samples with ``fold_in(rng, 1)``: flax's keep mask takes `dropout_rng`
-    itself, which is also the sampling key flax's modules hand a sampling mechanism."""
-    if rng is not None and dropout_rate > 0:
-        rng = jax.random.fold_in(rng, 1)
-    if dtype is not None:
-        q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
-    num_samples = mech.defaults["num_samples"]
-    with _precision("ra", precision):
-        return ra_flax_attention(
-            q,
-            k,
-            v,
-            rng,
-            num_samples=num_samples,
-            dropout_rate=dropout_rate,
-            dropout_rng=dropout_rng,
-            **kw,
-        )
-
-
-def refuse_unsupported(name, *, bias=None, dropout_rate=0.0, module=None, einsums=(None, None)):
-    """ValueError naming the first flax option a non-softmax attention cannot apply."""
-    if bias is not None:
-        raise ValueError(
-            f"bias: {name} cannot add an attention bias (got shape {jnp.shape(bias)}); only "
-            "attention='softmax' takes one"
-        )
-    if dropout_rate > 0:
-        raise ValueError(
-            f"dropout_rate={dropout_rate}: {name} forms no attention weights to drop out; set "
-            "dropout_rate=0 (only attention='softmax' applies attention dropout)"
-        )
-    if module is not None:
-        raise ValueError(
-            f"sow_weights=True: {name} forms no [batch, heads, q_len, kv_len] attention "
-            "weights to sow; only attention='softmax' does"
-        )
-    if any(einsums):
-        raise ValueError(
-            f"qk_attn_weights_einsum / attn_weights_value_einsum: {name} has no such einsums"
-        )
-
-
 def flax_attention(
     mech: registry.Mechanism,
     query,
@@ -254,8 +165,9 @@ def flax_attention(
 ):
     """`mech` under flax's attention conventions, ``[B, Tq, H, Dv]``.
 
-    ``softmax`` (without `attend`) is flax's own ``dot_product_attention``: any mask, bias,
-    dropout (flax's rng semantics) and ``sow_weights`` (`module`). Any other mechanism
+    A mechanism with a `Mechanism.flax_fn` (softmax: flax's own ``dot_product_attention``;
+    ra) is that function, without `attend`: any mask, bias, dropout and, for softmax,
+    ``sow_weights`` (`module`). Any other mechanism
     takes the mask through `key_padding` (a key-padding mask and causality, which
     `causal` states) and refuses a bias, ``dropout_rate > 0``, a `module` to sow into and
     custom einsums with a ValueError naming the argument. `rng` (None: deterministic)
@@ -263,42 +175,17 @@ def flax_attention(
     sequence-parallel form).
     """
     name = mech.name
-    if name == "softmax" and attend is None:
-        return _flax_softmax(
-            query,
-            key,
-            value,
-            bias=bias,
-            mask=mask,
-            causal=causal,
-            module=module,
-            force_fp32_for_softmax=force_fp32_for_softmax,
-            einsums=einsums,
-            broadcast_dropout=broadcast_dropout,
-            dropout_rng=dropout_rng,
-            dropout_rate=dropout_rate,
-            deterministic=deterministic,
-            dtype=dtype,
+    if mech.flax_fn is not None and attend is None:
+        return mech.flax_fn(
+            mech, query, key, value, rng, bias=bias, mask=mask, causal=causal, module=module,
+            force_fp32_for_softmax=force_fp32_for_softmax, einsums=einsums,
+            broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
+            dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,
             precision=precision,
-        )
-    if name == "ra" and attend is None:
-        refuse_unsupported(name, module=module, einsums=einsums)
-        return _flax_ra(
-            mech,
-            query,
-            key,
-            value,
-            rng,
-            bias=bias,
-            mask=mask,
-            causal=causal,
-            dropout_rate=0.0 if deterministic else dropout_rate,
-            broadcast_dropout=broadcast_dropout,
-            dropout_rng=dropout_rng,
-            dtype=dtype,
-            precision=precision,
-        )
-    refuse_unsupported(name, bias=bias, dropout_rate=dropout_rate, module=module, einsums=einsums)
+        )  # fmt: skip
+    _checks.refuse_unsupported(
+        name, bias=bias, dropout_rate=dropout_rate, module=module, einsums=einsums
+    )
     b, tq, h, _ = query.shape
     tk = key.shape[1]
     if causal and not mech.supports_causal:
@@ -316,7 +203,7 @@ def flax_attention(
         )
     if dtype is not None:
         query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
-    with _precision(name, precision):
+    with _checks.matmul_precision(name, precision):
         out = (attend or mech.attention)(
             query,
             key,

@@ -56,8 +56,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from linattn_jax import _checks, parallel
 from linattn_jax import _module_utils as mu
-from linattn_jax import parallel
 
 _default_kernel_init = nn.initializers.lecun_normal()
 
@@ -150,8 +150,9 @@ def attention_fn(name: str, *, causal: bool = False, **config):
 
     It takes flax's arguments (``query, key, value, bias, mask, dropout_rng,
     dropout_rate, deterministic, dtype, precision, module, ...``, ``[batch, length, heads,
-    depth]``): softmax is flax's own ``dot_product_attention`` (any mask, bias and dropout,
-    flax's rng semantics); the others take key-padding masks and, with ``causal=True`` (or
+    depth]``): a mechanism whose record has a `Mechanism.flax_fn` (softmax: flax's own
+    ``dot_product_attention``; ra) takes any mask, bias and dropout with flax's rng
+    semantics; the others take key-padding masks and, with ``causal=True`` (or
     nnx's ``is_causal``), causality (the causal mask is ANDed into flax's mask), and refuse
     with ValueError a mask they cannot represent (a causal mask without ``causal=True``, a
     per-head or per-query pattern; under ``jit`` those batch rows come out NaN), a bias,
@@ -173,7 +174,8 @@ class MultiHeadAttention(nn.Module):
       num_heads, dtype, param_dtype, qkv_features, out_features, broadcast_dropout,
       dropout_rate, deterministic, precision, kernel_init, out_kernel_init, bias_init,
       out_bias_init, use_bias, decode, normalize_qk, force_fp32_for_softmax: as in flax.
-        ``dropout_rate > 0`` applies to softmax and ra, ``force_fp32_for_softmax`` to softmax
+        ``dropout_rate > 0`` applies to the mechanisms whose record has
+        `Mechanism.attention_dropout` (softmax, ra), ``force_fp32_for_softmax`` to softmax
         (the others compute in float32 and refuse dropout). The default `kernel_init`
         carries logical axis names; one you pass is used as given. `attention_fn` must stay None.
     Keyword-only (ours):
@@ -298,8 +300,8 @@ class MultiHeadAttention(nn.Module):
     def _attend(self, mech, q, k, v, params, mask, causal, deterministic, dropout_rng, sow):
         det = self.deterministic if deterministic is None else deterministic
         dropout = self.dropout_rate > 0
-        if dropout and (mech.name not in ("softmax", "ra") or self.mesh is not None):
-            mu.refuse_unsupported(
+        if dropout and (not mech.attention_dropout or self.mesh is not None):
+            _checks.refuse_unsupported(
                 mech.name + " (sequence-parallel)" * (self.mesh is not None),
                 dropout_rate=self.dropout_rate,
             )
@@ -329,7 +331,7 @@ class MultiHeadAttention(nn.Module):
             k,
             v,
             params,
-            rng if not dropout or mech.name == "ra" else None,  # ra: fold_in(rng, 1)
+            rng if not dropout or mech.stochastic else None,  # ra: fold_in(rng, 1)
             mask=mu.flax_mask(mask, k.shape[0], k.shape[1]),
             causal=causal,
             deterministic=not (dropout and det is False),

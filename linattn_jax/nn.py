@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from linattn_jax import _checks, parallel
 from linattn_jax import _module_utils as mu
-from linattn_jax import parallel
 
 _default_kernel_init = nnx.initializers.lecun_normal()
 _zeros = nnx.initializers.zeros_init()
@@ -158,8 +158,9 @@ class MultiHeadAttention(nnx.Module):
 
     Args (flax's, same defaults): num_heads, in_features, qkv_features, out_features,
       num_kv_heads (only None or num_heads), in_kv_features, dtype, param_dtype,
-      broadcast_dropout, dropout_rate (softmax and ra only), deterministic, precision,
-      kernel_init (the default carries logical axis names), out_kernel_init, bias_init,
+      broadcast_dropout, dropout_rate (a record with `Mechanism.attention_dropout`:
+      softmax, ra), deterministic, precision, kernel_init (the default carries logical axis
+      names), out_kernel_init, bias_init,
       out_bias_init, use_bias, decode, normalize_qk, rngs, keep_rngs. `attention_fn` must
       stay None.
     Keyword-only (ours):
@@ -261,8 +262,10 @@ class MultiHeadAttention(nnx.Module):
         variables = mechanism_variables(self.mech, num_heads, head_dim, rngs)
         self.mechanism = nnx.data(None) if variables is None else variables
         # flax keeps a dropout stream when it drops out; a sampling mechanism keeps its own.
-        stream = "dropout" if self.mech.name == "softmax" else "attention"
-        need = keep_rngs and (dropout_rate > 0 if stream == "dropout" else self.mech.stochastic)
+        stream = "attention" if self.mech.stochastic else "dropout"
+        need = keep_rngs and (
+            self.mech.stochastic or (dropout_rate > 0 and self.mech.attention_dropout)
+        )
         self.rngs = nnx.data(None)
         if need and (stream in rngs or "default" in rngs):
             self.rngs = (rngs[stream] if stream in rngs else rngs.default).fork()
@@ -338,8 +341,8 @@ class MultiHeadAttention(nnx.Module):
             return self.out(out, out_sharding=out_sharding)
         det = self.deterministic if deterministic is None else deterministic
         dropout = self.dropout_rate > 0
-        if dropout and (self.mech.name not in ("softmax", "ra") or self.attend is not None):
-            mu.refuse_unsupported(
+        if dropout and (not self.mech.attention_dropout or self.attend is not None):
+            _checks.refuse_unsupported(
                 self.mech.name + " (sequence-parallel)" * (self.attend is not None),
                 dropout_rate=self.dropout_rate,
             )
@@ -357,7 +360,7 @@ class MultiHeadAttention(nnx.Module):
             k,
             v,
             params,
-            rng if not dropout or self.mech.name == "ra" else None,  # ra: fold_in(rng, 1)
+            rng if not dropout or self.mech.stochastic else None,  # ra: fold_in(rng, 1)
             mask=mu.flax_mask(mask, k.shape[0], k.shape[1]),
             causal=bool(is_causal or causal),
             deterministic=not (dropout and det is False),

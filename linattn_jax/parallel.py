@@ -69,23 +69,32 @@ from linattn_jax.core.linear import NONCAUSAL_BLOCK, _noncausal_fused, _wide
 _f32 = jnp.float32
 
 
-#: Non-causal mechanisms whose sums over the sequence take a mesh axis, by name: the
-#: private core each public function wraps (called with keywords and ``axis``).
+#: Non-causal mechanisms whose sums over the sequence take a mesh axis, by the attention
+#: function their record carries (so a renamed copy of a record is the same mechanism
+#: here): the private core each public function wraps (called with keywords and ``axis``).
 _REDUCING = {
-    "nystromformer": nystromformer._nystromformer,
-    "soft": soft._soft,
-    "laplacian": laplacian._laplacian,
+    nystromformer.NYSTROMFORMER.attention_fn: nystromformer._nystromformer,
+    soft.SOFT.attention_fn: soft._soft,
+    laplacian.LAPLACIAN.attention_fn: laplacian._laplacian,
 }
+
+
+def _is_lara(mechanism: registry.Mechanism) -> bool:
+    return mechanism.attention_fn is lara.LARA.attention_fn
+
+
+def _has_sharded_form(mechanism: registry.Mechanism) -> bool:
+    return (
+        mechanism.feature_map is not None
+        or mechanism.attention_fn in _REDUCING
+        or _is_lara(mechanism)
+    )
 
 
 def supported_names() -> list[str]:
     """Mechanisms that `sequence_parallel` accepts (the feature-map ones, the Nystrom family
     and LARA)."""
-    return [
-        n
-        for n in registry.names()
-        if registry.get(n).feature_map is not None or n in (*_REDUCING, "lara")
-    ]
+    return [n for n in registry.names() if _has_sharded_form(registry.get(n))]
 
 
 def _check_mesh(mesh: Mesh, axis: str, batch_axes: Sequence[str]) -> None:
@@ -223,7 +232,7 @@ def _fused_causal_body(fmap, chunk_size, axis):
 
 def _reducing_body(mechanism, causal, config, axis):
     """The body of a Nystrom-family mechanism: its core with ``axis`` (`nystrom_core._nystrom`)."""
-    fn = _REDUCING[mechanism.name]
+    fn = _REDUCING[mechanism.attention_fn]
     cfg = {**mechanism.defaults, **config}
     if cfg.get("grid") is not None:
         raise NotImplementedError(
@@ -301,7 +310,7 @@ def sequence_parallel(
         )
     _check_mesh(mesh, axis, () if batch_axes is None else tuple(batch_axes))
     fmap = mechanism.feature_map
-    if fmap is None and mechanism.name not in (*_REDUCING, "lara"):
+    if not _has_sharded_form(mechanism):
         raise NotImplementedError(
             f"sequence_parallel supports the mechanisms {supported_names()}; "
             f"{mechanism.name!r} is not one of them"
@@ -327,7 +336,7 @@ def sequence_parallel(
         )
         _check_lengths(q, k, mask, mesh, axis, tuple(batch_axes))
         extra = {}
-        if mechanism.name == "lara":
+        if _is_lara(mechanism):
             body, resolved = _lara_body(mechanism, deterministic, config, axis), params
             extra = _lara_noise(mechanism, q, k, rng, deterministic, config)
         elif fmap is None:

@@ -296,6 +296,30 @@ def ra_reference(
     return jnp.mean(jnp.stack(outs), axis=0).astype(q.dtype)
 
 
+def ra_flax_fn(
+    mech, q, k, v, rng=None, *, bias, mask, causal, module, force_fp32_for_softmax, einsums,
+    broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype, precision,
+):  # fmt: skip
+    """ra under flax's conventions (the record's `Mechanism.flax_fn`): `ra_flax_attention`
+    with flax's mask, bias and dropout, `mech`'s ``num_samples``. With dropout on, ra
+    samples with ``fold_in(rng, 1)``: flax's keep mask takes `dropout_rng` itself, which is
+    also the sampling key flax's modules hand a sampling mechanism. `rng` None: the
+    deterministic form. Refuses ``sow_weights`` (`module`) and custom einsums."""
+    del force_fp32_for_softmax
+    _checks.refuse_unsupported(mech.name, module=module, einsums=einsums)
+    dropout_rate = 0.0 if deterministic else dropout_rate
+    if rng is not None and dropout_rate > 0:
+        rng = jax.random.fold_in(rng, 1)
+    if dtype is not None:
+        q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+    with _checks.matmul_precision(mech.name, precision):
+        return ra_flax_attention(
+            q, k, v, rng, mask=mask, bias=bias, causal=causal,
+            num_samples=mech.defaults["num_samples"], dropout_rate=dropout_rate,
+            dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
+        )  # fmt: skip
+
+
 RA = register(
     Mechanism(
         name="ra",
@@ -305,6 +329,8 @@ RA = register(
         supports_causal=True,
         stochastic=True,
         description="randomized attention, unbiased for softmax (Zheng et al. 2022), O(T^2)",
+        flax_fn=ra_flax_fn,
+        attention_dropout=True,
     )
 )
 
@@ -313,6 +339,7 @@ __all__ = [
     "ra_attention",
     "ra_draws",
     "ra_flax_attention",
+    "ra_flax_fn",
     "ra_init",
     "ra_reference",
 ]

@@ -83,6 +83,13 @@ class Mechanism:
         raises ValueError instead of being ignored.
       stochastic_fn: ``(**config) -> bool``, whether the mechanism samples under a config
         (e.g. performer's ``redraw="call"``); None when `stochastic` does not depend on it.
+      flax_fn: ``flax_fn(mech, q, k, v, rng, *, bias, mask, causal, module,
+        force_fp32_for_softmax, einsums, broadcast_dropout, dropout_rng, dropout_rate,
+        deterministic, dtype, precision)``: the mechanism under all of flax's attention
+        conventions (a mask of any shape, a bias, dropout on its weights, sown weights),
+        which flax's modules and ours call; None: key-padding masks and causality only.
+      attention_dropout: whether `flax_fn` applies dropout to attention weights (the
+        modules refuse ``dropout_rate > 0`` otherwise).
     """
 
     name: str
@@ -97,6 +104,8 @@ class Mechanism:
     feature_map_spec: Any = None
     params_config_fn: Callable[[Any], dict[str, Any]] | None = None
     stochastic_fn: Callable[..., bool] | None = None
+    flax_fn: Callable[..., Any] | None = None
+    attention_dropout: bool = False
 
     def __post_init__(self):
         if self.stochastic_fn is not None:

@@ -86,9 +86,7 @@ def _draw(params, rng, *, redraw="never"):
 FEATURE_MAP = core.FeatureMap(query_fn=feature_map, key_fn=_key, draw_fn=_draw, token_wise=True)
 
 
-def _attend(
-    q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate, redraw, quadratic
-):
+def _attend(q, k, v, params, rng, mask, causal, deterministic, chunk_size, gate, redraw, quadratic):
     _checks.check_inputs("rfa", q, k, v, mask, causal=causal)
     _checks.check_positive("rfa", chunk_size=chunk_size)
     core.check_redraw("rfa", redraw)

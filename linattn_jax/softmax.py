@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax.numpy as jnp
+from flax import nnx
 
 from linattn_jax import _checks
 from linattn_jax.registry import Mechanism, register
@@ -46,6 +48,35 @@ def attention(q, k, v, params, rng=None, *, mask=None, causal=False, determinist
     return jnp.einsum("bhij,bjhd->bihd", w, v.astype(jnp.float32)).astype(q.dtype)
 
 
+def flax_attention(
+    mech, q, k, v, rng=None, *, bias, mask, causal, module, force_fp32_for_softmax, einsums,
+    broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype, precision,
+):  # fmt: skip
+    """Softmax under flax's conventions: flax's own ``dot_product_attention`` (linen's, or
+    nnx's for an nnx `module`), so any mask, bias, dropout (flax's rng semantics) and
+    ``sow_weights``; `causal` ANDs the causal mask into `mask`. `mech` and `rng` are unused
+    (the record's `Mechanism.flax_fn`)."""
+    del mech, rng
+    if causal:
+        tril = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))[None, None]
+        mask = nn.combine_masks(mask, tril)
+    kw = dict(
+        broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+        deterministic=deterministic, dtype=dtype, precision=precision,
+    )  # fmt: skip
+    if isinstance(module, nnx.Module):
+        if force_fp32_for_softmax or any(einsums):
+            raise ValueError(
+                "softmax: force_fp32_for_softmax / qk_attn_weights_einsum are linen-only"
+            )
+        return nnx.dot_product_attention(q, k, v, bias, mask, module=module, **kw)
+    q_e, v_e = einsums
+    return nn.dot_product_attention(
+        q, k, v, bias, mask, module=module, force_fp32_for_softmax=force_fp32_for_softmax,
+        qk_attn_weights_einsum=q_e, attn_weights_value_einsum=v_e, **kw,
+    )  # fmt: skip
+
+
 MECHANISM = register(
     Mechanism(
         name="softmax",
@@ -54,5 +85,7 @@ MECHANISM = register(
         supports_causal=True,
         stochastic=False,
         description="exact softmax attention, O(T^2)",
+        flax_fn=flax_attention,
+        attention_dropout=True,
     )
 )

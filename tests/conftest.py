@@ -63,3 +63,16 @@ def optimised_xla(monkeypatch):
         yield
     finally:
         jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.fixture(autouse=True)
+def registry_as_before():
+    """Each test leaves the mechanism registry as it found it: a test that registers a
+    mechanism (a training peer, a renamed copy) must not change `la.names()` for the tests
+    that follow it in the same worker (a test iterating over every mechanism would meet it)."""
+    from linattn_jax import registry
+
+    before = dict(registry._REGISTRY)
+    yield
+    registry._REGISTRY.clear()
+    registry._REGISTRY.update(before)

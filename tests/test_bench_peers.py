@@ -307,4 +307,3 @@ def test_peer_points_are_skipped_as_the_mechanisms_own():
     assert all(p["status"] == "skipped" and p["memory"]["total"] > 0 for p in points)
     assert points[1]["note"].startswith("memory at T=16:")
     assert peers.peer_points("softmax", cfg, series=scaling.Series(cfg, True)) == []
-

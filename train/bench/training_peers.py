@@ -111,5 +111,3 @@ def training_peer(name: str) -> str:
     if peer not in la.names():
         la.register(la.Mechanism(name=peer, **TRAINING_PEERS[name]))
     return peer
-
-

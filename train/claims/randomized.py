@@ -158,6 +158,7 @@ def lara_error_vs_samples(settings: Settings) -> Finding:
         )
         + f" (S = {'/'.join(map(str, samples))}, performer M = 4 S)"
     )
+
     def fall(inp, label, a, b):  # relative fall of the error from S = a to S = b
         return 100 * (1 - res[(inp, label)][b] / res[(inp, label)][a])
 

@@ -1,0 +1,125 @@
+"""A mechanism is its record: a renamed copy of any registered record (``dataclasses.replace(
+la.get(name), name=...)``, registered) behaves exactly as the original in flax's
+``MultiHeadDotProductAttention`` through ``la.linen.attention_fn``, in ``la.linen`` and
+``la.nn`` ``MultiHeadAttention`` (masks, dropout, decoding) and in sequence parallelism:
+same outputs, or the same error."""
+
+import dataclasses
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers import SMALL_CONFIG
+from flax import nnx
+from jax.sharding import Mesh
+
+import linattn_jax as la
+from linattn_jax import registry
+
+B, T, F, H = 2, 4, 8, 2
+X = jax.random.normal(jax.random.key(0), (B, T, F))
+CAUSAL = nn.make_causal_mask(X[..., 0])
+PER_HEAD = jnp.ones((B, H, T, T), bool).at[:, 1, :, 1].set(False)
+RNGS = {"params": jax.random.key(1), "dropout": jax.random.key(2), "attention": jax.random.key(3)}
+
+
+@pytest.fixture
+def copy_of():
+    """Registers ``copy_<name>``, a renamed copy of the record, for one test."""
+
+    def make(name):
+        copy = f"copy_{name}"
+        registry.register(dataclasses.replace(registry.get(name), name=copy))
+        return copy
+
+    return make  # conftest's registry_as_before removes the copies after the test
+
+
+def _outcome(fn):
+    """The call's output (as float64 numpy) or its error's type and message."""
+    try:
+        return np.asarray(fn(), np.float64)
+    except (ValueError, NotImplementedError, TypeError) as e:
+        return type(e), str(e)
+
+
+def _same(a, b, name, copy, where):
+    if isinstance(a, tuple):
+        assert isinstance(b, tuple) and a[0] is b[0], (where, a, b)
+
+        def named(message, who):  # the mechanism's name as a word, not inside one
+            return re.sub(rf"\b{re.escape(who)}\b", "<m>", message)
+
+        assert named(a[1], name) == named(b[1], copy), where
+    else:
+        assert not isinstance(b, tuple), (where, b)
+        np.testing.assert_array_equal(a, b, err_msg=where)
+
+
+def _calls(name, cfg):
+    """``where -> thunk`` for every place a record decides what happens."""
+    calls = {}
+    for case, mask, causal, rate in [
+        ("causal", CAUSAL, True, 0.0),
+        ("per_head", PER_HEAD, False, 0.0),
+        ("dropout", None, False, 0.5),
+    ]:
+        mhdpa = nn.MultiHeadDotProductAttention(
+            num_heads=H, deterministic=False, dropout_rate=rate,
+            attention_fn=la.linen.attention_fn(name, causal=causal, **cfg),
+        )  # fmt: skip
+        ours = la.linen.MultiHeadAttention(
+            num_heads=H, dropout_rate=rate, deterministic=False,
+            attention=name, attention_config=tuple(cfg.items()),
+        )  # fmt: skip
+        for label, mod in (("flax", mhdpa), ("linen", ours)):
+            kw = {"causal": causal} if label == "linen" else {}
+
+            def call(mod=mod, mask=mask, kw=kw):
+                variables = mod.init(RNGS, X, mask=mask, **kw)
+                return mod.apply(variables, X, mask=mask, rngs=RNGS, **kw)
+
+            calls[f"{label} {case}"] = call
+
+        def nnx_call(mask=mask, causal=causal, rate=rate):
+            layer = la.nn.MultiHeadAttention(
+                H, F, attention=name, attention_config=cfg, dropout_rate=rate, decode=False,
+                rngs=nnx.Rngs(params=0, dropout=1, attention=2),
+            )  # fmt: skip
+            return layer(X, mask=mask, causal=causal, deterministic=False)
+
+        calls[f"nnx {case}"] = nnx_call
+
+    def decode():
+        layer = la.linen.MultiHeadAttention(
+            num_heads=H, attention=name, attention_config=tuple(cfg.items()), decode=True,
+            max_len=T,
+        )  # fmt: skip
+        variables = layer.init(RNGS, X[:, :1], causal=True)
+        out, _ = layer.apply(variables, X[:, :1], causal=True, mutable=["cache"])
+        return out
+
+    calls["decode"] = decode
+
+    def seqpar():
+        mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
+        mech = la.get(name).bind(**cfg)
+        attend = la.parallel.sequence_parallel(mech, mesh, "seq")
+        q, k, v = jax.random.normal(jax.random.key(4), (3, B, T, H, F // H))
+        params = mech.init(jax.random.key(5), num_heads=H, head_dim=F // H)
+        return attend(q, k, v, params, deterministic=True)
+
+    calls["sequence_parallel"] = seqpar
+    return calls
+
+
+@pytest.mark.parametrize("name", la.names())
+def test_renamed_copy_behaves_as_the_original(name, copy_of):
+    copy = copy_of(name)
+    cfg = SMALL_CONFIG.get(name, {})
+    originals, copies = _calls(name, cfg), _calls(copy, cfg)
+    for where in originals:
+        _same(_outcome(originals[where]), _outcome(copies[where]), name, copy, where)
