@@ -15,7 +15,14 @@ from train import kernel_diagnostics as kd
 from train import loop
 from train.trainer import Trainer
 
-KEYS = {"freq_norm_ratio", "scale_ratio", "neg_weight_frac", "entropy_ratio", "shift_gap"}
+KEYS = {
+    "freq_norm_ratio",
+    "freq_move",
+    "scale_ratio",
+    "neg_weight_frac",
+    "entropy_ratio",
+    "shift_gap",
+}
 
 
 def test_weight_stats_on_known_rows():
@@ -62,7 +69,7 @@ def test_entries_on_known_params():
     start = diag.start
     assert set(start) == {kd.PREFIX + k for k in (*KEYS, "bandwidth_ratio")}
     assert start["kernel/freq_norm_ratio"] == 1.0 and start["kernel/scale_ratio"] == 1.0
-    assert start["kernel/bandwidth_ratio"] == 1.0
+    assert start["kernel/bandwidth_ratio"] == 1.0 and start["kernel/freq_move"] == 0.0
     assert 0.0 <= start["kernel/neg_weight_frac"] < 0.5
     assert 0.5 < start["kernel/entropy_ratio"] <= 1.0 + 1e-6
     assert 0.0 <= start["kernel/shift_gap"] < 1e-3  # pairs 0.1 apart: nearly stationary
@@ -70,6 +77,7 @@ def test_entries_on_known_params():
     moved = state.replace(params=_moved(state.params, 1.5, -2 * math.log(2.0)))
     got = diag(moved)
     np.testing.assert_allclose(got["kernel/freq_norm_ratio"], 1.5, rtol=1e-5)
+    np.testing.assert_allclose(got["kernel/freq_move"], 0.5, rtol=1e-5)
     np.testing.assert_allclose(got["kernel/scale_ratio"], 2.0, rtol=1e-5)
     np.testing.assert_allclose(got["kernel/bandwidth_ratio"], 1.2, rtol=1e-5)
     assert got["kernel/entropy_ratio"] < start["kernel/entropy_ratio"]  # sharper kernel
@@ -80,6 +88,60 @@ def test_entries_on_known_params():
     assert set(hh_diag.start) == {"kernel/neg_weight_frac", "kernel/entropy_ratio"}
     assert hh_diag.start["kernel/neg_weight_frac"] == 0.0
     assert kd.for_run(Trainer(tiny_config("softmax"), task), tiny_config("softmax")) is None
+
+
+def _layers(params):
+    """``{layer path: mechanism params}`` of every attention layer, in path order."""
+    out = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        names = [str(getattr(p, "key", "")) for p in path]
+        if "mechanism" in names:
+            i = names.index("mechanism")
+            out.setdefault(tuple(names[:i]), {})[names[i + 1]] = np.asarray(x, np.float64)
+    return dict(sorted(out.items()))
+
+
+def test_freq_move_by_hand():
+    """``freq_move`` = |omega - omega_0|_F / |omega_0|_F over a layer's frequency params
+    together, averaged over layers: 0 at init, and on a move that keeps every row norm (a
+    rotation, which freq_norm_ratio cannot see: it stays 1) the hand-computed value. Tiny
+    shapes: 2 layers, 2 heads, M = 3, d = 8; layer 0 moves omega1 only, layer 1 both."""
+    task = toy_task()
+    config = tiny_config("flexformer_n", num_features=3)
+    trainer = Trainer(config, task, devices=jax.devices()[:1])
+    diag = kd.for_run(trainer, config)
+    assert diag.start["kernel/freq_move"] == 0.0
+    state = trainer.init_state()
+    freq_keys = [k for k in next(iter(_layers(state.params).values())) if k.startswith("omega")]
+    assert len(freq_keys) == 2
+
+    def rotate(x, angle):  # rotates every row in its (0, 1) coordinate plane: norms kept
+        c, s = math.cos(angle), math.sin(angle)
+        x0, x1 = x[..., 0], x[..., 1]
+        return x.at[..., 0].set(c * x0 - s * x1).at[..., 1].set(s * x0 + c * x1)
+
+    angles = {0: {freq_keys[0]: 0.3}, 1: {freq_keys[0]: 0.5, freq_keys[1]: -0.2}}
+    layer_paths = list(_layers(state.params))
+    assert len(layer_paths) == 2
+
+    def move(path, x):
+        names = [str(getattr(p, "key", "")) for p in path]
+        if "mechanism" not in names:
+            return x
+        layer = layer_paths.index(tuple(names[: names.index("mechanism")]))
+        angle = angles[layer].get(names[-1])
+        return x if angle is None else rotate(x, angle)
+
+    moved = jax.tree_util.tree_map_with_path(move, state.params)
+    got = diag(state.replace(params=moved))
+    want = []
+    for p0, p1 in zip(_layers(state.params).values(), _layers(moved).values(), strict=True):
+        num = sum(np.sum((p1[k] - p0[k]) ** 2) for k in freq_keys)
+        den = sum(np.sum(p0[k] ** 2) for k in freq_keys)
+        want.append(math.sqrt(num / den))
+    assert min(want) > 0.01
+    np.testing.assert_allclose(got["kernel/freq_move"], np.mean(want), rtol=1e-5)
+    np.testing.assert_allclose(got["kernel/freq_norm_ratio"], 1.0, rtol=1e-5)
 
 
 def test_run_logs_plots_and_summarises(tmp_path):

@@ -9,6 +9,10 @@ computes, every ``log_every`` steps, on a small fixed probe batch (the first
 
 - ``kernel/freq_norm_ratio``: the learned frequencies' mean row norm over its init (leaves
   named ``omega*``: the flexformers);
+- ``kernel/freq_move``: how far the frequencies moved, ``|omega - omega_0|_F / |omega_0|_F``
+  over all of a layer's ``omega*`` leaves together (Frobenius), averaged over layers: 0 at
+  init. Unlike the norm ratio it sees a kernel that rotates (frequencies that turn without
+  growing); both are invariant to a constant storage scale (``omega = c omega_tilde``);
 - ``kernel/scale_ratio``: the learned temperature scale ``a`` over its init, per head then
   averaged (flexformer_s: ``exp(log_scale)``; flexformer_n: ``exp(-tau / 2)``, the tie of
   ``linattn_jax.flexformer``; rfa: ``mean |sigma|``);
@@ -125,6 +129,17 @@ def _freq_norm(mparams):
     return jnp.mean(jnp.stack(norms)) if norms else None
 
 
+def _freq_move(mparams, mparams0):
+    """``|omega - omega_0|_F / |omega_0|_F`` over all ``omega*`` leaves of one layer, or
+    None when it has none."""
+    keys = sorted(k for k in mparams if k.startswith("omega"))
+    if not keys:
+        return None
+    diff = sum(jnp.sum(jnp.square((mparams[k] - mparams0[k]).astype(jnp.float32))) for k in keys)
+    ref = sum(jnp.sum(jnp.square(mparams0[k].astype(jnp.float32))) for k in keys)
+    return jnp.sqrt(diff / jnp.maximum(ref, 1e-30))
+
+
 def _scale(mparams):
     """The per-head temperature scale ``a`` (up to a constant: ratios only), or None."""
     if "log_scale" in mparams:
@@ -169,7 +184,7 @@ class KernelDiagnostics:
             self.model, {"params": params, **extra}, *probe, deterministic=True
         )
         fixed = extra.get("fixed", {})
-        negs, ents, gaps, freq, freq0, scale, bw = [], [], [], [], [], [], []
+        negs, ents, gaps, freq, freq0, move, scale, bw = [], [], [], [], [], [], [], []
         for call in calls:
             mp = _mechanism_params(params, call.path)
             mp0 = _mechanism_params(init_params, call.path)
@@ -181,6 +196,7 @@ class KernelDiagnostics:
             if _freq_norm(mp) is not None:
                 freq.append(_freq_norm(mp))
                 freq0.append(_freq_norm(mp0))
+                move.append(_freq_move(mp, mp0))
             if _scale(mp) is not None:
                 scale.append(jnp.mean(_scale(mp) / _scale(mp0)))
             if "log_bandwidth" in mp:
@@ -197,6 +213,7 @@ class KernelDiagnostics:
         }
         if freq:
             out["freq_norm_ratio"] = jnp.mean(jnp.stack(freq)) / jnp.mean(jnp.stack(freq0))
+            out["freq_move"] = jnp.mean(jnp.stack(move))
         if scale:
             out["scale_ratio"] = jnp.mean(jnp.stack(scale))
         if bw:
