@@ -92,12 +92,12 @@ from jax import lax
 import kernels
 from linattn_jax import _checks
 from linattn_jax.nystrom_core import (
-    _check_config,
-    _check_grid_fits,
-    _check_impl,
-    _inverter,
-    _nystrom,
-    _sq_dist,
+    check_grid_fits,
+    check_impl,
+    check_nystrom_config,
+    inverter,
+    nystrom,
+    sq_dist,
 )
 from linattn_jax.registry import Mechanism, register
 
@@ -131,7 +131,7 @@ def _gaussian_kappa(lam):
 
     def kappa(x, y, col_valid, axis=None):
         del axis  # entrywise
-        sq = _sq_dist(x, y, precision=lax.Precision.HIGHEST)
+        sq = sq_dist(x, y, precision=lax.Precision.HIGHEST)
         return jnp.exp(-sq * inv) * col_valid[:, None, None, :]
 
     return kappa
@@ -198,13 +198,17 @@ def _check_local_window(local_window):
         )
 
 
-def _laplacian(
+def laplacian_body(
     q, k, v, params, mask, causal, num_landmarks, ns_iters, eps, lam, kernel, grid, inverse,
     normalize, local_window, shared_landmarks, impl, interpret, output, axis=None,
 ):  # fmt: skip
+    """The computation behind `laplacian_attention`, `laplacian_reference` and
+    `laplacian_weights` (`output`: ``"linear"``, ``"reference"``, ``"weights"``), with
+    positional config and the sequence-parallel mesh `axis` (None: one device); what
+    `linattn_jax.parallel` runs on each shard."""
     _checks.check_inputs(_LAP, q, k, v, mask, causal=causal)
     _checks.check_causal_supported(_LAP, causal)
-    _check_config(
+    check_nystrom_config(
         _LAP,
         num_landmarks=num_landmarks,
         ns_iters=ns_iters,
@@ -213,12 +217,12 @@ def _laplacian(
         eps=eps,
         normalize=(normalize, _LAP_NORMALIZE),
     )
-    _check_impl(_LAP, impl)
+    check_impl(_LAP, impl)
     _check_lam(lam)
     _checks.check_choice(_LAP, "kernel", kernel, _LAP_KERNELS)
     _check_local_window(local_window)
     _checks.check_bool(_LAP, "shared_landmarks", shared_landmarks)
-    _check_grid_fits(_LAP, grid, q, k)
+    check_grid_fits(_LAP, grid, q, k)
     h = q.shape[2]
     expected = {"local": _local_shape(local_window, grid, h)} if local_window else {}
     if lam is None:
@@ -233,12 +237,12 @@ def _laplacian(
         lam_h = jnp.exp(params["log_lam"].astype(_f32))
     else:
         lam_h = jnp.full((h,), lam, _f32)
-    invert = _inverter(inverse, _LAP, ns_iters, eps, impl, interpret)
+    invert = inverter(inverse, _LAP, ns_iters, eps, impl, interpret)
     if kernel == "laplace":
         kappa = _laplace_kappa(lam_h, impl, interpret)
     else:
         kappa = _gaussian_kappa(lam_h)
-    return _nystrom(
+    return nystrom(
         q.astype(_f32),
         k.astype(_f32),
         v,
@@ -305,7 +309,7 @@ def laplacian_attention(
         one is plain jnp) and `kernels.newton_schulz_inverse`.
     """
     del rng, deterministic
-    out = _laplacian(
+    out = laplacian_body(
         q, k, v, params, mask, causal, num_landmarks, ns_iters, eps, lam, kernel, grid,
         inverse, normalize, local_window, shared_landmarks, impl, interpret, "linear",
     )  # fmt: skip
@@ -338,7 +342,7 @@ def laplacian_reference(
     """`laplacian_attention` with ``c^ A^+ C_k`` and the local branch materialised
     (``[B, H, Tq, Tk]``)."""
     del rng, deterministic
-    out = _laplacian(
+    out = laplacian_body(
         q, k, v, params, mask, causal, num_landmarks, ns_iters, eps, lam, kernel, grid,
         inverse, normalize, local_window, shared_landmarks, impl, interpret, "reference",
     )  # fmt: skip
@@ -367,7 +371,7 @@ def laplacian_weights(
     """Effective LaplacianFormer weights ``[B, H, Tq, Tk]`` float32 (``out = weights @ v``),
     the local branch included."""
     v = jnp.zeros(k.shape[:3] + (1,), _f32)
-    return _laplacian(
+    return laplacian_body(
         q, k, v, params, mask, False, num_landmarks, ns_iters, eps, lam, kernel, grid,
         inverse, normalize, local_window, shared_landmarks, impl, interpret, "weights",
     )  # fmt: skip

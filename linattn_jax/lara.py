@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from linattn_jax import _checks, _seq, core, landmarks
-from linattn_jax.ra_common import _check_samples, _masked_softmax, _sq_half
+from linattn_jax.ra_common import check_samples, masked_softmax, sq_half
 from linattn_jax.registry import Mechanism, register
 
 _f32 = jnp.float32
@@ -89,7 +89,7 @@ def _check_lara(q, k, v, params, mask, causal, rng, deterministic, cfg):
     _checks.check_inputs("lara", q, k, v, mask, causal=causal)
     _checks.check_causal_supported("lara", causal)
     _checks.check_positive("lara", num_landmarks=cfg.num_landmarks)
-    _check_samples("lara", rng, deterministic, cfg.num_samples)
+    check_samples("lara", rng, deterministic, cfg.num_samples)
     _checks.check_choice("lara", "proposal", cfg.proposal, _PROPOSALS)
     _checks.check_choice("lara", "mis", cfg.mis, _MIS)
     for key in ("antithetic", "mixed"):
@@ -186,7 +186,7 @@ def _lara_proposals(q, k, params, mask, cfg, seq_axis=None):
     valid_c = lq & lk
     if cfg.mixed:
         logits = jnp.einsum("bchd,behd->bhce", k_bar, k_bar)  # [B, H, L, L]
-        mix = _masked_softmax(logits, lk[:, None, None, :], -1)
+        mix = masked_softmax(logits, lk[:, None, None, :], -1)
         k_bar = jnp.einsum("bhce,behd->bchd", mix, k_bar)
     return qh, kh, q_bar, q_bar + k_bar, valid_c, q_mask
 
@@ -389,7 +389,7 @@ def lara_attention(q, k, v, mask, t, cfg, seq_axis=None):
     tvalid = t["term_valid"][:, None, :, None] if masked else None  # [B, 1, N, 1]
 
     # Keys: log xi(k^_m, omega_t) [B, H, N, Tk]; one exp gives f and the logsumexp.
-    log_xi_k = jnp.einsum("bhnd,bhmd->bhnm", omega, kh) - _sq_half(kh)[:, :, None, :]
+    log_xi_k = jnp.einsum("bhnd,bhmd->bhnm", omega, kh) - sq_half(kh)[:, :, None, :]
     # `seq_axis` (`lara_sharded`): the max and the sums over keys run over its devices too.
     if masked:
         log_xi_k = jnp.where(mask[:, None, None, :], log_xi_k, -jnp.inf)
@@ -404,9 +404,9 @@ def lara_attention(q, k, v, mask, t, cfg, seq_axis=None):
     lse_k = jnp.log(den_k) + m_k  # [B, H, N, 1]
 
     # Proposals: log g_c(omega_t) for every c and the term's own: [B, H, N, L], [B, H, N, 1].
-    log_g = jnp.einsum("bhnd,bhcd->bhnc", omega, mu) - _sq_half(mu)[:, :, None, :]
+    log_g = jnp.einsum("bhnd,bhcd->bhnc", omega, mu) - sq_half(mu)[:, :, None, :]
     mu_t = mu if t["per"] == 1 else mu[:, :, t["term_c"]]
-    log_g_own = jnp.sum(omega * mu_t, -1, keepdims=True) - _sq_half(mu_t)[..., None]
+    log_g_own = jnp.sum(omega * mu_t, -1, keepdims=True) - sq_half(mu_t)[..., None]
     if masked:
         lse_g = _masked_logsumexp(log_g, t["valid_c"][:, None, None, :], -1)[..., None]
         # <= 0 for a valid term; an invalid term's value is unused but could overflow exp.
@@ -457,11 +457,11 @@ def _query_correction(qh, q_bar, t, masked, seq_axis=None):
     logits = jnp.einsum("bhcd,bhqd->bhcq", q_bar, qh)  # [B, H, L, Tq]
     if masked:
         cv = t["valid_c"][:, None, :, None]  # [B, 1, L, 1]
-        r = _masked_softmax(logits, t["q_valid"][:, None, None, :] & cv, -1, seq_axis)
+        r = masked_softmax(logits, t["q_valid"][:, None, None, :] & cv, -1, seq_axis)
         n_c = jnp.maximum(jnp.sum(cv, axis=2, keepdims=True), 1)
         r_mean = jnp.sum(jnp.where(cv, r, 0.0), axis=2, keepdims=True) / n_c
     elif seq_axis is not None:
-        r = _masked_softmax(logits, True, -1, seq_axis)
+        r = masked_softmax(logits, True, -1, seq_axis)
         r_mean = jnp.mean(r, axis=2, keepdims=True)
     else:
         r = jax.nn.softmax(logits, axis=-1)

@@ -65,7 +65,7 @@ _IMPLS = ("auto", "xla", "pallas")
 # (`_seq`).
 
 
-def _sq_dist(x, y, precision=None):
+def sq_dist(x, y, precision=None):
     """``|x_n - y_m|_2^2`` as ``[B, H, N, M]`` from x ``[B, H, N, D]``, y ``[B, H, M, D]``,
     expanded (``|x|^2 + |y|^2 - 2 x.y``, one matmul) and clamped at 0, where rounding can
     make it slightly negative. `precision`: the matmul's (`jax.lax.Precision`)."""
@@ -103,7 +103,11 @@ def iterative_pinv(a, iters: int):
     return lax.fori_loop(0, iters, body, z0)
 
 
-def _inverter(inverse: str, family: str, ns_iters: int, eps: float, impl: str, interpret: bool):
+def inverter(inverse: str, family: str, ns_iters: int, eps: float, impl: str, interpret: bool):
+    """``a [.., C, C] -> inverse``: the landmark-matrix inverse `inverse` names (``"exact"``:
+    an LU solve of ``a + eps I``; otherwise `ns_iters` Newton-Schulz iterations, `impl`
+    ``"auto"``, ``"xla"`` or ``"pallas"``, `interpret` for the Pallas kernel on CPU); `family`
+    names the mechanism in errors."""
     if inverse == "exact":
 
         def exact(a):
@@ -210,7 +214,7 @@ def _local_branch(local_w, vh, grid, axis=None):
     return out.at[:, :, start:].set(acc.reshape(b, h, gh * gw, dv))
 
 
-def _nystrom(
+def nystrom(
     qx, kx, v, mask, kappa, invert, *, num_landmarks, grid, normalize, output,
     shared_landmarks=False, local_w=None, axis=None,
 ):  # fmt: skip
@@ -309,7 +313,10 @@ def _nystrom(
 # --------------------------------------------------------------------------- validation
 
 
-def _check_config(name, *, num_landmarks, ns_iters, grid, inverse, eps=0.0, normalize=None):
+def check_nystrom_config(name, *, num_landmarks, ns_iters, grid, inverse, eps=0.0, normalize=None):
+    """Raises ValueError naming `name` and the argument unless the Nystrom config is valid:
+    `num_landmarks`, `ns_iters` >= 1, `inverse` a known inverse, `grid` None or ``(h, w)``
+    ints >= 1, `eps` >= 0, `normalize` ``(value, choices)`` with value among the choices."""
     _checks.check_positive(name, num_landmarks=num_landmarks, ns_iters=ns_iters)
     _checks.check_choice(name, "inverse", inverse, _INVERSES)
     if normalize is not None:
@@ -325,7 +332,9 @@ def _check_config(name, *, num_landmarks, ns_iters, grid, inverse, eps=0.0, norm
         raise ValueError(f"{name}: eps must be a float >= 0, got {eps!r}")
 
 
-def _check_grid_fits(name, grid, q, k):
+def check_grid_fits(name, grid, q, k):
+    """Raises ValueError unless a landmark `grid` ``(h, w)`` has ``h * w`` at most the length
+    of `q` and of `k`."""
     if grid is not None:
         h, w = grid
         for arg, x in (("q", q), ("k", k)):
@@ -336,7 +345,9 @@ def _check_grid_fits(name, grid, q, k):
                 )
 
 
-def _check_impl(name, impl):
+def check_impl(name, impl):
+    """Raises ValueError unless `impl` is a known implementation (``"auto"``, ``"xla"``,
+    ``"pallas"``)."""
     _checks.check_choice(name, "impl", impl, _IMPLS)
 
 

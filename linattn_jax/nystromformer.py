@@ -20,10 +20,10 @@ import jax.numpy as jnp
 
 from linattn_jax import _checks, _seq, core
 from linattn_jax.nystrom_core import (
-    _check_config,
-    _check_grid_fits,
-    _inverter,
-    _nystrom,
+    check_grid_fits,
+    check_nystrom_config,
+    inverter,
+    nystrom,
 )
 from linattn_jax.registry import Mechanism, register
 
@@ -45,15 +45,21 @@ def _softmax_kappa(x, y, col_valid, axis=None):
 _NF = "nystromformer"
 
 
-def _nystromformer(
+def nystromformer_body(
     q, k, v, mask, causal, num_landmarks, ns_iters, grid, inverse, output, axis=None
 ):  # fmt: skip
+    """The computation behind `nystromformer_attention`, `nystromformer_reference` and
+    `nystromformer_weights` (`output`: ``"linear"``, ``"reference"``, ``"weights"``), with
+    positional config and the sequence-parallel mesh `axis` (None: one device); what
+    `linattn_jax.parallel` runs on each shard."""
     _checks.check_inputs(_NF, q, k, v, mask, causal=causal)
     _checks.check_causal_supported(_NF, causal)
-    _check_config(_NF, num_landmarks=num_landmarks, ns_iters=ns_iters, grid=grid, inverse=inverse)
-    _check_grid_fits(_NF, grid, q, k)
-    invert = _inverter(inverse, _NF, ns_iters, 0.0, "xla", False)
-    return _nystrom(
+    check_nystrom_config(
+        _NF, num_landmarks=num_landmarks, ns_iters=ns_iters, grid=grid, inverse=inverse
+    )
+    check_grid_fits(_NF, grid, q, k)
+    invert = inverter(inverse, _NF, ns_iters, 0.0, "xla", False)
+    return nystrom(
         core.scale_inputs(q),
         core.scale_inputs(k),
         v,
@@ -99,7 +105,9 @@ def nystromformer_attention(
       inverse: ``"iterative"`` or ``"exact"`` (``A^-1`` by an LU solve).
     """
     del params, rng, deterministic
-    out = _nystromformer(q, k, v, mask, causal, num_landmarks, ns_iters, grid, inverse, "linear")
+    out = nystromformer_body(
+        q, k, v, mask, causal, num_landmarks, ns_iters, grid, inverse, "linear"
+    )
     return out.astype(q.dtype)
 
 
@@ -120,7 +128,9 @@ def nystromformer_reference(
 ):
     """`nystromformer_attention` with ``C_q Z C_k`` materialised (``[B, H, Tq, Tk]``)."""
     del params, rng, deterministic
-    out = _nystromformer(q, k, v, mask, causal, num_landmarks, ns_iters, grid, inverse, "reference")
+    out = nystromformer_body(
+        q, k, v, mask, causal, num_landmarks, ns_iters, grid, inverse, "reference"
+    )
     return out.astype(q.dtype)
 
 
@@ -130,7 +140,9 @@ def nystromformer_weights(
     """Effective weights ``C_q Z C_k`` as ``[B, H, Tq, Tk]`` float32 (``out = weights @ v``)."""
     del params
     v = jnp.zeros(k.shape[:3] + (1,), _f32)
-    return _nystromformer(q, k, v, mask, False, num_landmarks, ns_iters, grid, inverse, "weights")
+    return nystromformer_body(
+        q, k, v, mask, False, num_landmarks, ns_iters, grid, inverse, "weights"
+    )
 
 
 NYSTROMFORMER = register(

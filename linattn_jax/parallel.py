@@ -19,7 +19,7 @@ T-long tensor of another device:
   (``FeatureMap.token_wise``: all of the registered ones) both computations take their
   features chunk by chunk inside a scan, as one device's causal call does: the summary
   is a scan of chunk states folded by `combine_states` (the backward pass recomputes each
-  chunk's features), and the causal pass (`core.causal._causal_fused`) starts from the
+  chunk's features), and the causal pass (`core.causal.causal_fused`) starts from the
   gathered prefix. No device then holds its ``[B, T/n, H, M]`` features in the forward
   pass; per-device memory, forward and forward+backward, is about 1/n of one device's
   (docs/performance.md, "Issue 36"). Other maps map the device's block whole.
@@ -63,8 +63,8 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from linattn_jax import core, landmarks, laplacian, lara, nystromformer, registry, soft
-from linattn_jax.core.causal import _causal_fused, _fused_block_state
-from linattn_jax.core.linear import NONCAUSAL_BLOCK, _noncausal_fused, _wide
+from linattn_jax.core.causal import causal_fused, fused_block_state
+from linattn_jax.core.linear import NONCAUSAL_BLOCK, fused_is_wide, noncausal_fused
 
 _f32 = jnp.float32
 
@@ -73,9 +73,9 @@ _f32 = jnp.float32
 #: function their record carries (so a renamed copy of a record is the same mechanism
 #: here): the private core each public function wraps (called with keywords and ``axis``).
 _REDUCING = {
-    nystromformer.NYSTROMFORMER.attention_fn: nystromformer._nystromformer,
-    soft.SOFT.attention_fn: soft._soft,
-    laplacian.LAPLACIAN.attention_fn: laplacian._laplacian,
+    nystromformer.NYSTROMFORMER.attention_fn: nystromformer.nystromformer_body,
+    soft.SOFT.attention_fn: soft.soft_body,
+    laplacian.LAPLACIAN.attention_fn: laplacian.laplacian_body,
 }
 
 
@@ -156,7 +156,7 @@ def _feature_map_body(fmap, causal, chunk_size, axis):
 
     def body(q, k, v, params, extra, mask=None):
         del extra
-        if not causal and fmap.token_wise and _wide(fmap, params, k, {}):
+        if not causal and fmap.token_wise and fused_is_wide(fmap, params, k, {}):
             return _fused_noncausal(fmap, params, q, k, v, mask, axis).astype(q.dtype)
         phi_q = fmap.query(q, params)
         keys = fmap.key(k, params)
@@ -200,7 +200,7 @@ def _fused_noncausal(fmap, params, q, k, v, mask, axis):
     """The non-causal pass of a token-wise map with features wider than the head (as one
     device's over a long sequence, `core.attend_features`): this device's keys summed block
     by block, the sums of all devices added (under their largest key log-scale), then its
-    queries read block by block (`_noncausal_fused`); never ``[B, T/n, H, M]`` features at
+    queries read block by block (`noncausal_fused`); never ``[B, T/n, H, M]`` features at
     once, so the per-device memory falls with the shards."""
 
     def combine(s, z, zm, c):
@@ -209,7 +209,7 @@ def _fused_noncausal(fmap, params, q, k, v, mask, axis):
         sums = (s * w[..., None, None], z * w[..., None], zm * w)
         return tuple(lax.psum(x, axis) for x in sums)
 
-    return _noncausal_fused(
+    return noncausal_fused(
         fmap, params, q, k, v, mask, NONCAUSAL_BLOCK, fmap.den_floor(), {}, combine
     )
 
@@ -217,21 +217,21 @@ def _fused_noncausal(fmap, params, q, k, v, mask, axis):
 def _fused_causal_body(fmap, chunk_size, axis):
     """The causal body of a token-wise map: features computed chunk by chunk inside the
     scans, never ``[B, T/n, H, M]`` at once (in the forward pass). One scan over this
-    device's keys gives its summary (`_fused_block_state`); the summaries before it, folded
-    (`_exclusive_prefix`), start the scan of its outputs (`_causal_fused`)."""
+    device's keys gives its summary (`fused_block_state`); the summaries before it, folded
+    (`_exclusive_prefix`), start the scan of its outputs (`causal_fused`)."""
 
     def body(q, k, v, params, extra, mask=None):
         del extra
-        summary, total = _fused_block_state(fmap, params, k, v, mask, chunk_size, {})
+        summary, total = fused_block_state(fmap, params, k, v, mask, chunk_size, {})
         prefix = _exclusive_prefix(summary, total, axis)
-        out = _causal_fused(fmap, params, q, k, v, mask, chunk_size, fmap.den_floor(), {}, prefix)
+        out = causal_fused(fmap, params, q, k, v, mask, chunk_size, fmap.den_floor(), {}, prefix)
         return out.astype(q.dtype)
 
     return body
 
 
 def _reducing_body(mechanism, causal, config, axis):
-    """The body of a Nystrom-family mechanism: its core with ``axis`` (`nystrom_core._nystrom`)."""
+    """The body of a Nystrom-family mechanism: its core with ``axis`` (`nystrom_core.nystrom`)."""
     fn = _REDUCING[mechanism.attention_fn]
     cfg = {**mechanism.defaults, **config}
     if cfg.get("grid") is not None:

@@ -14,7 +14,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from linattn_jax import _checks, core
-from linattn_jax.ra_common import _check_samples, _masked_softmax, _sq_half
+from linattn_jax.ra_common import check_samples, masked_softmax, sq_half
 from linattn_jax.registry import Mechanism, register
 
 _f32 = jnp.float32
@@ -66,7 +66,7 @@ def _sample_keys(rng, num_samples):
 
 def _check_ra(q, k, v, mask, causal, rng, deterministic, num_samples):
     _checks.check_inputs("ra", q, k, v, mask, causal=causal)
-    _check_samples("ra", rng, deterministic, num_samples)
+    check_samples("ra", rng, deterministic, num_samples)
 
 
 def ra_attention(
@@ -171,12 +171,12 @@ def _ra_block(keys, offset, kh, v32, qh, valid, bias, drop):
     b, tq, h, d = qh.shape
     tk = kh.shape[1]
     logits = jnp.einsum("bihd,bjhd->bhij", qh, kh) + bias
-    pi = _masked_softmax(logits, valid, -1)  # [B, H, Tq, Tk]
-    k_bias = jnp.transpose(_sq_half(kh), (0, 2, 1))[:, :, None, :]  # [B, H, 1, Tk]
+    pi = masked_softmax(logits, valid, -1)  # [B, H, Tq, Tk]
+    k_bias = jnp.transpose(sq_half(kh), (0, 2, 1))[:, :, None, :]  # [B, H, 1, Tk]
     kh_h = jnp.transpose(kh, (0, 2, 1, 3))  # [B, H, Tk, d]
 
     def f(omega):  # [B, Tq, H, d] -> [B, Tq, H, Dv]
-        w = _masked_softmax(jnp.einsum("bihd,bjhd->bhij", omega, kh) - k_bias + bias, valid, -1)
+        w = masked_softmax(jnp.einsum("bihd,bjhd->bhij", omega, kh) - k_bias + bias, valid, -1)
         return jnp.einsum("bhij,bjhd->bihd", w * drop, v32)
 
     if keys is None:

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from linattn_jax import _checks, _seq, core
 
 
-def _masked_softmax(logits, valid, axis, seq_axis=None):
+def masked_softmax(logits, valid, axis, seq_axis=None):
     """``softmax(logits)`` over `axis` restricted to `valid` (broadcasts); all-invalid -> 0.
 
     The max is detached (it cancels); invalid entries go through ``exp(-inf) = 0``
@@ -71,11 +71,13 @@ def _softmax_jvp(axis, seq_axis, primals, tangents):
     return y, y * (t - _seq.psum(jnp.sum(y * t, axis=axis, keepdims=True), seq_axis))
 
 
-def _sq_half(x):
+def sq_half(x):
     """``|x|^2 / 2`` over the last axis."""
     return 0.5 * core.rowdot(x, x)
 
 
-def _check_samples(name, rng, deterministic, num_samples):
+def check_samples(name, rng, deterministic, num_samples):
+    """Raises ValueError unless `num_samples` >= 1 and `rng` is given when not `deterministic`
+    (`name` the mechanism, in the message)."""
     _checks.check_positive(name, num_samples=num_samples)
     _checks.check_rng(name, rng, deterministic)

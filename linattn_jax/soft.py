@@ -22,12 +22,12 @@ import jax.numpy as jnp
 
 from linattn_jax import _checks, core
 from linattn_jax.nystrom_core import (
-    _check_config,
-    _check_grid_fits,
-    _check_impl,
-    _inverter,
-    _nystrom,
-    _sq_dist,
+    check_grid_fits,
+    check_impl,
+    check_nystrom_config,
+    inverter,
+    nystrom,
+    sq_dist,
 )
 from linattn_jax.registry import Mechanism, register
 
@@ -41,7 +41,7 @@ SOFT_NS_ITERS = 20
 def _gaussian_kappa(x, y, col_valid, axis=None):
     """``exp(-|x - y|^2 / 2)`` (x, y already scaled by d^-1/4)."""
     del axis  # entrywise
-    return jnp.exp(-0.5 * _sq_dist(x, y)) * col_valid[:, None, None, :]
+    return jnp.exp(-0.5 * sq_dist(x, y)) * col_valid[:, None, None, :]
 
 
 # --------------------------------------------------------------------------- soft
@@ -50,13 +50,17 @@ _SOFT = "soft"
 _SOFT_NORMALIZE = ("none", "row")
 
 
-def _soft(
+def soft_body(
     q, k, v, mask, causal, num_landmarks, ns_iters, eps, grid, inverse, normalize, tie_qk,
     impl, interpret, output, axis=None,
 ):  # fmt: skip
+    """The computation behind `soft_attention`, `soft_reference` and `soft_weights`
+    (`output`: ``"linear"``, ``"reference"``, ``"weights"``), with positional config and
+    the sequence-parallel mesh `axis` (None: one device); what `linattn_jax.parallel` runs
+    on each shard."""
     _checks.check_inputs(_SOFT, q, k, v, mask, causal=causal)
     _checks.check_causal_supported(_SOFT, causal)
-    _check_config(
+    check_nystrom_config(
         _SOFT,
         num_landmarks=num_landmarks,
         ns_iters=ns_iters,
@@ -65,7 +69,7 @@ def _soft(
         eps=eps,
         normalize=(normalize, _SOFT_NORMALIZE),
     )
-    _check_impl(_SOFT, impl)
+    check_impl(_SOFT, impl)
     if not (tie_qk is True or tie_qk is False or tie_qk == "auto"):
         raise ValueError(f"{_SOFT}: tie_qk must be True, False or 'auto', got {tie_qk!r}")
     if tie_qk is True and q.shape[1] != k.shape[1]:
@@ -75,11 +79,11 @@ def _soft(
             "cross-attention."
         )
     tie = tie_qk is True or (tie_qk == "auto" and q.shape[1] == k.shape[1])
-    _check_grid_fits(_SOFT, grid, q, k)
+    check_grid_fits(_SOFT, grid, q, k)
     qx = core.scale_inputs(q)
     kx = qx if tie else core.scale_inputs(k)
-    invert = _inverter(inverse, _SOFT, ns_iters, eps, impl, interpret)
-    return _nystrom(
+    invert = inverter(inverse, _SOFT, ns_iters, eps, impl, interpret)
+    return nystrom(
         qx,
         kx,
         v,
@@ -136,7 +140,7 @@ def soft_attention(
       impl, interpret: passed to `kernels.newton_schulz_inverse`.
     """
     del params, rng, deterministic
-    out = _soft(
+    out = soft_body(
         q, k, v, mask, causal, num_landmarks, ns_iters, eps, grid, inverse, normalize, tie_qk,
         impl, interpret, "linear",
     )  # fmt: skip
@@ -165,7 +169,7 @@ def soft_reference(
 ):
     """`soft_attention` with ``C_q A^+ C_k`` materialised (``[B, H, Tq, Tk]``)."""
     del params, rng, deterministic
-    out = _soft(
+    out = soft_body(
         q, k, v, mask, causal, num_landmarks, ns_iters, eps, grid, inverse, normalize, tie_qk,
         impl, interpret, "reference",
     )  # fmt: skip
@@ -191,7 +195,7 @@ def soft_weights(
     """Effective SOFT weights ``[B, H, Tq, Tk]`` float32 (``out = weights @ v``)."""
     del params
     v = jnp.zeros(k.shape[:3] + (1,), _f32)
-    return _soft(
+    return soft_body(
         q, k, v, mask, False, num_landmarks, ns_iters, eps, grid, inverse, normalize, tie_qk,
         impl, interpret, "weights",
     )  # fmt: skip

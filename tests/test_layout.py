@@ -188,6 +188,36 @@ def test_no_private_names_across_modules():
     assert not bad, "no module may use another module's underscore names:\n" + "\n".join(bad)
 
 
+def test_no_private_names_across_library_modules():
+    """In linattn_jax and kernels no module uses another module's underscore names (a
+    package's private modules, e.g. ``linattn_jax._checks``, may be imported inside that
+    package; what they define for others is public-named)."""
+    bad = []
+    for path in _package_files():
+        if _rel(path).startswith("train/"):
+            continue  # train/ has the stricter rule above
+        top = _module_name(path).split(".")[0]
+        for module, names, node in _imports(path):
+            inside = module.split(".")[0] == top
+            if any(_private(part) for part in module.split(".")) and not inside:
+                bad.append(f"{_rel(path)}:{node.lineno} imports private module {module}")
+            for n in names:
+                sub = ROOT / Path(*f"{module}.{n}".split("."))
+                is_module = sub.with_suffix(".py").exists() or (sub / "__init__.py").exists()
+                if _private(n) and not (is_module and inside):
+                    bad.append(f"{_rel(path)}:{node.lineno} imports {module}.{n}")
+        modules = _bound_modules(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules
+                and _private(node.attr)
+            ):
+                bad.append(f"{_rel(path)}:{node.lineno} reads {modules[node.value.id]}.{node.attr}")
+    assert not bad, "no module may use another module's underscore names:\n" + "\n".join(bad)
+
+
 def test_mechanisms_only_through_the_public_api():
     public = set(la.__all__)
     bad = []

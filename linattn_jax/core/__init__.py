@@ -37,7 +37,10 @@ Layout: `linattn_jax.core.common` (the guard, the floor, masks, `read_out`),
 `attend_features`, `normalized_weights`), `linattn_jax.core.causal` (the chunked causal
 form and its in-scan variant), `linattn_jax.core.recurrent` (`RecurrentState`,
 `recurrent_step`, `block_state`, `combine_states`) and `linattn_jax.core.features` (the
-feature-map protocol, `sincos`, `cos_sin`, `scale_inputs`). Every public name is re-exported here.
+feature-map protocol, `sincos`, `cos_sin`, `scale_inputs`). The names a mechanism or a user
+calls are re-exported here; the pieces the fast paths share among themselves and with
+`linattn_jax.parallel` (the fused passes and their block states, `chunking`, the mask and
+floor helpers) are public in their submodule.
 """
 
 from linattn_jax.core.causal import causal_form, causal_linear_attention_from

@@ -1,12 +1,12 @@
 """The causal form of linear attention: chunked prefix sums (quadratic inside a chunk, the
 chunk states carried across chunks), from precomputed features
-(`causal_linear_attention_from`, `_causal_chunked`) or with a token-wise feature map's
-features computed chunk by chunk inside the scan (`_causal_fused`); both run `_chunks`,
+(`causal_linear_attention_from`, `causal_chunked`) or with a token-wise feature map's
+features computed chunk by chunk inside the scan (`causal_fused`); both run `_chunks`,
 which carries the states by a `lax.scan` (`_chunk_scan`) or by a parallel prefix over the
 chunks (`_chunk_parallel`), as `CAUSAL_FORM` says.
-`_fused_block_state` is the key summary (`block_state`) of such a map, likewise chunk by
+`fused_block_state` is the key summary (`block_state`) of such a map, likewise chunk by
 chunk: the sequence-parallel causal pass (`linattn_jax.parallel`) gathers it across devices
-and starts `_causal_fused` from the devices' before it.
+and starts `causal_fused` from the devices' before it.
 """
 
 from __future__ import annotations
@@ -18,23 +18,24 @@ import jax.numpy as jnp
 from jax import lax
 
 from linattn_jax.core.common import (
-    _NEG,
     DENOMINATOR_EPS,
-    _append_ones,
-    _apply_key_mask,
-    _check_floor,
-    _check_one_key_weighting,
-    _f32,
-    _masked_log_scale,
-    _split_last,
-    _split_mass,
+    NEG_LOG_SCALE,
+    append_ones,
+    apply_key_mask,
+    check_floor,
+    check_one_key_weighting,
     denominator_floor,
     divide_rows,
     guard_denominator,
     key_mask,
+    masked_log_scale,
     scale_rows,
+    split_last,
+    split_mass,
 )
 from linattn_jax.core.recurrent import RecurrentState, block_state, combine_states, recurrent_init
+
+_f32 = jnp.float32
 
 #: How the causal form carries its chunk states: ``"scan"`` (`_chunk_scan`: a `lax.scan`,
 #: one chunk after another, features computed inside it: the least memory, and on CPU the
@@ -70,7 +71,7 @@ def _chunks(prepare, xs, t, eps, initial_state, den_floor):
     return run(prepare, xs, t, eps, initial_state, den_floor)
 
 
-def _chunking(t: int, chunk_size: int):
+def chunking(t: int, chunk_size: int):
     """``(c, n, pad)``: the chunk length (at most `t`), the number of chunks and the padding
     that makes ``n * c`` tokens."""
     c = min(chunk_size, t)
@@ -96,27 +97,27 @@ def causal_linear_attention_from(
     with the state after the block's keys. With an empty initial state
     (`recurrent_init`) the output equals ``linear_attention(..., causal=True)``.
     """
-    _check_floor(den_floor, phi_k)
+    check_floor(den_floor, phi_k)
     phi_q, phi_k, v = phi_q.astype(_f32), phi_k.astype(_f32), v.astype(_f32)
-    phi_k = _apply_key_mask(phi_k, mask)
-    ns = _masked_log_scale(key_log_scale, mask, phi_k.shape[:3])
-    return _causal_chunked(
+    phi_k = apply_key_mask(phi_k, mask)
+    ns = masked_log_scale(key_log_scale, mask, phi_k.shape[:3])
+    return causal_chunked(
         phi_q, phi_k, v, chunk_size, log_decay, ns, eps, initial_state, den_floor=den_floor
     )
 
 
-def _causal_chunked(
+def causal_chunked(
     phi_q, phi_k, v, chunk_size, log_decay, ns, eps, initial_state=None, *, den_floor=0.0
 ):
     """``(out [B, T, H, Dv], final RecurrentState)``; `initial_state` is the state of the
     keys before this sequence (default: none). With `den_floor` the mass channel is
     carried apart (``zm``) and the state's z keeps it as its last column; the state's s
     row of that channel is returned as zeros (queries, 0 there, never read it)."""
-    phi_q, phi_k, mass = _split_mass(phi_q, phi_k, den_floor)
+    phi_q, phi_k, mass = split_mass(phi_q, phi_k, den_floor)
     if mass is None:
         mass = jnp.zeros(phi_k.shape[:3], _f32)  # carried, never read
     b, t, h, m = phi_q.shape
-    c, n, pad = _chunking(t, chunk_size)
+    c, n, pad = chunking(t, chunk_size)
     if log_decay is None:
         log_decay = jnp.zeros((b, t, h), _f32)
     log_decay = log_decay.astype(_f32)
@@ -125,23 +126,23 @@ def _causal_chunked(
         widths = ((0, 0), (0, pad), (0, 0), (0, 0))
         phi_q, phi_k, v = (jnp.pad(x, widths) for x in (phi_q, phi_k, v))
         log_decay, mass = jnp.pad(log_decay, widths[:3]), jnp.pad(mass, widths[:3])
-        ns = jnp.pad(ns, widths[:3], constant_values=_NEG)
+        ns = jnp.pad(ns, widths[:3], constant_values=NEG_LOG_SCALE)
 
     def chunks(x):  # [B, n*c, H, ...] -> [n, B, H, c, ...] (heads first)
         x = jnp.swapaxes(x, 1, 2)
         return jnp.moveaxis(x.reshape(b, h, n, c, *x.shape[3:]), 2, 0)
 
-    xs = (phi_q, phi_k, _append_ones(v), log_decay, ns, mass)  # padded keys: phi_k = 0
+    xs = (phi_q, phi_k, append_ones(v), log_decay, ns, mass)  # padded keys: phi_k = 0
     return _chunks(lambda x: x, tuple(map(chunks, xs)), t, eps, initial_state, den_floor)
 
 
-def _token_chunks(chunk_size, mask, v, *xs):
-    """``(v, keep, *xs)`` of ``[B, T, ...]`` tokens in the n chunks of `_chunking`, as
+def token_chunks(chunk_size, mask, v, *xs):
+    """``(v, keep, *xs)`` of ``[B, T, ...]`` tokens in the n chunks of `chunking`, as
     ``[n, B, c, ...]`` (token-major, as a feature map takes them), `keep` the ``[B, T]`` key
     mask (all True when `mask` is None). Padded tokens repeat the last one in `xs` (finite
     features whatever the map), have zero values and are masked out as keys."""
     b, t = v.shape[:2]
-    c, n, pad = _chunking(t, chunk_size)
+    c, n, pad = chunking(t, chunk_size)
     keep = key_mask(mask, t, b)
     if pad:
         widths = ((0, 0), (0, pad), (0, 0), (0, 0))
@@ -154,22 +155,23 @@ def _token_chunks(chunk_size, mask, v, *xs):
     return tuple(map(chunks, (v, keep, *xs)))
 
 
-def _check_no_decay(log_decay):
+def check_no_decay(log_decay):
+    """Raises ValueError when a decay is given to the non-causal form."""
     if log_decay is not None:
         raise ValueError("linear_attention: log_decay needs causal=True")
 
 
 def _chunk_keys(fmap, params, kc, keepc, config):
     """One chunk's `KeyFeatures` with the key mask applied: ``(phi, ns, log_decay)``, ns the
-    masked log-scales (`_masked_log_scale`), log_decay None without a decay."""
+    masked log-scales (`masked_log_scale`), log_decay None without a decay."""
     keys = fmap.key(kc, params, **config)
-    _check_one_key_weighting(keys.log_decay, keys.log_scale)
-    phi = _apply_key_mask(keys.phi.astype(_f32), keepc)
-    ns = _masked_log_scale(keys.log_scale, keepc, phi.shape[:3])
+    check_one_key_weighting(keys.log_decay, keys.log_scale)
+    phi = apply_key_mask(keys.phi.astype(_f32), keepc)
+    ns = masked_log_scale(keys.log_scale, keepc, phi.shape[:3])
     return phi, ns, keys.log_decay
 
 
-def _mass_channel_config(fmap, config, den_floor):
+def mass_channel_config(fmap, config, den_floor):
     """``(config, channel)`` for the fused passes' calls of `fmap`: with a floor whose
     value comes from the config's ``den_floor`` (`fmap.den_floor` reads 0 at
     ``den_floor=0``), the config with ``den_floor=0``, so that the map returns its features
@@ -186,7 +188,7 @@ def _mass_channel_config(fmap, config, den_floor):
     return config, bool(den_floor)
 
 
-def _causal_fused(fmap, params, q, k, v, mask, chunk_size, den_floor, config, initial_state=None):
+def causal_fused(fmap, params, q, k, v, mask, chunk_size, den_floor, config, initial_state=None):
     """Causal `linear_attention` of a token-wise `FeatureMap` with its features computed
     chunk by chunk inside the scan, so the forward pass never holds the ``[B, T, H, M]``
     features of the whole sequence (one chunk's at a time, in cache; the parallel form of
@@ -194,32 +196,32 @@ def _causal_fused(fmap, params, q, k, v, mask, chunk_size, den_floor, config, in
     ``linear_attention(fmap.query(q), fmap.key(k).phi, v, causal=True, ...)`` to rounding
     (tested for every token-wise map); ``[B, T, H, Dv]`` float32. `initial_state`: the
     `RecurrentState` of the keys before this sequence (as `causal_linear_attention_from`;
-    the sequence-parallel path passes the devices' before it, `_fused_block_state`)."""
+    the sequence-parallel path passes the devices' before it, `fused_block_state`)."""
     t = q.shape[1]
-    config, channel = _mass_channel_config(fmap, config, den_floor)
+    config, channel = mass_channel_config(fmap, config, den_floor)
 
     def prepare(x):
         vc, keepc, qc, kc = x
         keys = fmap.key(kc, params, **config)
-        _check_one_key_weighting(keys.log_decay, keys.log_scale)
+        check_one_key_weighting(keys.log_decay, keys.log_scale)
         # heads first before a mass channel is split off: a feature map's own swap
         # (`heads_last`) then cancels and the split is free
         pq = jnp.swapaxes(fmap.query(qc, params, **config).astype(_f32), 1, 2)
         pk = jnp.swapaxes(keys.phi.astype(_f32), 1, 2) * keepc[:, None, :, None].astype(_f32)
-        pq, pk, mass = _split_mass(pq, pk, den_floor, channel)  # mass [B, H, c]
+        pq, pk, mass = split_mass(pq, pk, den_floor, channel)  # mass [B, H, c]
         bhc = pk.shape[:3]
-        ns = _masked_log_scale(keys.log_scale, keepc, (bhc[0], bhc[2], bhc[1]))
+        ns = masked_log_scale(keys.log_scale, keepc, (bhc[0], bhc[2], bhc[1]))
         ns = jnp.swapaxes(ns, 1, 2)
         zeros = jnp.zeros(bhc, _f32)
         ld = zeros if keys.log_decay is None else jnp.swapaxes(keys.log_decay.astype(_f32), 1, 2)
         mass = zeros if mass is None else mass
-        return (pq, pk, jnp.swapaxes(_append_ones(vc.astype(_f32)), 1, 2), ld, ns, mass)
+        return (pq, pk, jnp.swapaxes(append_ones(vc.astype(_f32)), 1, 2), ld, ns, mass)
 
-    xs = _token_chunks(chunk_size, mask, v, q, k)
+    xs = token_chunks(chunk_size, mask, v, q, k)
     return _chunks(prepare, xs, t, DENOMINATOR_EPS, initial_state, den_floor)[0]
 
 
-def _fused_block_state(fmap, params, k, v, mask, chunk_size, config):
+def fused_block_state(fmap, params, k, v, mask, chunk_size, config):
     """`block_state` of a token-wise `FeatureMap`'s keys with their features computed chunk
     by chunk inside a scan (never the ``[B, T, H, M]`` features of the whole block): each
     chunk's state folded into the running one by `combine_states` (decays and key
@@ -227,7 +229,7 @@ def _fused_block_state(fmap, params, k, v, mask, chunk_size, config):
     den_floor map its features' mass channel is the state's last feature, as in
     `block_state` of ``fmap.key(k).phi``."""
     t = k.shape[1]
-    vc, keepc, kc = _token_chunks(chunk_size, mask, v, k)
+    vc, keepc, kc = token_chunks(chunk_size, mask, v, k)
     real = (jnp.arange(vc.shape[0] * vc.shape[2]) < t).reshape(vc.shape[0], vc.shape[2])
 
     @jax.checkpoint  # the backward pass recomputes a chunk's features, never stores them
@@ -266,7 +268,7 @@ def _chunk_output(carry, prepared, tril, eps, den_floor):
     # Inter-chunk: the carried state decayed to position i by exp(G_i), rescaled to cm_i.
     carry_scale = jnp.exp(gc + mp[..., None] - cm)  # [B, H, c]
     nd = nd + jnp.einsum("bhim,bhmd->bhid", pq * carry_scale[..., None], sz)
-    num, den = _split_last(nd)
+    num, den = split_last(nd)
     floor = None
     if den_floor:  # the mass channel under the same weights
         mass_i = jnp.einsum("bhij,bhj->bhi", weight, mc) + carry_scale * zm[..., None]
@@ -297,7 +299,7 @@ def _initial_carry(initial_state, b, h, m, dv, den_floor):
         zm0 = jnp.zeros((b, h), _f32)
     elif den_floor:
         s0, c0 = initial_state.s[..., :-1, :], initial_state.c
-        z0, zm0 = _split_last(initial_state.z)
+        z0, zm0 = split_last(initial_state.z)
     else:
         (s0, z0, c0), zm0 = initial_state, jnp.zeros((b, h), _f32)
     return jnp.concatenate([s0, z0[..., None]], axis=-1), zm0, c0
@@ -306,7 +308,7 @@ def _initial_carry(initial_state, b, h, m, dv, den_floor):
 def _final_state(carry, den_floor):
     """The `RecurrentState` of the final carry (the mass channel as z's last column)."""
     sz, zm, c_last = carry
-    s, z = _split_last(sz)
+    s, z = split_last(sz)
     if den_floor:
         s = jnp.concatenate([s, jnp.zeros_like(s[..., :1, :])], axis=-2)
         z = jnp.concatenate([z, zm[..., None]], axis=-1)
@@ -353,7 +355,7 @@ def _chunk_scan(prepare, xs, t, eps, initial_state, den_floor):
     ``prepare(x)`` maps one chunk of `xs` to its heads-first ``(pq [B, H, c, M],
     pk [B, H, c, M], [v | 1] [B, H, c, Dv + 1], log_decay, ns, mass [B, H, c])``, the keys
     already masked; `t` is the unpadded length. Returns ``(out [B, t, H, Dv],
-    RecurrentState)`` as `_causal_chunked`.
+    RecurrentState)`` as `causal_chunked`.
 
     The carry is the state before a chunk, kept relative to the running key max mp:
     ``s = sum_j exp(n_j - mp) phi(k_j) v_j^T`` ``[B, H, M, Dv]``, z likewise ``[B, H, M]``,

@@ -102,7 +102,7 @@ def denominator_floor(phi_q, mass, den_floor):
     return den_floor * key_mass(phi_q) * mass
 
 
-def _append_ones(v):
+def append_ones(v):
     """``[v | 1]``: `v` ``[..., D]`` with a column of ones appended (``[..., D + 1]``), so
     that one product with the key features gives both ``sum phi(k) v^T`` and ``sum phi(k)``."""
     return jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)
@@ -115,7 +115,7 @@ def heads_last(x):
     return jnp.swapaxes(x, 1, 2)
 
 
-def _split_last(x):
+def split_last(x):
     """``(x[..., :-1], x[..., -1])``: a ``[.. | last]`` product split into its two parts."""
     return x[..., :-1], x[..., -1]
 
@@ -130,10 +130,10 @@ def read_out(phi_q, s, z, mass=None, *, eps: float = DENOMINATOR_EPS, den_floor:
     # Heads first ([B, H, Tq, M]): each head's products run on contiguous rows. A feature
     # map that computes its features heads first and swaps them back (`heads_last`) has
     # this swap cancel against its own, so its M-wide features are never transposed.
-    return _read_out_heads_first(jnp.swapaxes(phi_q, 1, 2), s, z, mass, eps, den_floor)
+    return read_out_heads_first(jnp.swapaxes(phi_q, 1, 2), s, z, mass, eps, den_floor)
 
 
-def _read_out_heads_first(pq, s, z, mass, eps, den_floor):
+def read_out_heads_first(pq, s, z, mass, eps, den_floor):
     """`read_out` of heads-first query features `pq` ``[B, H, Tq, M]``."""
     num = jnp.einsum("bhtm,bhmd->bhtd", pq, s)
     den = jnp.einsum("bhtm,bhm->bht", pq, z)
@@ -141,23 +141,25 @@ def _read_out_heads_first(pq, s, z, mass, eps, den_floor):
     return jnp.swapaxes(divide_rows(num, guard_denominator(den, eps, floor)), 1, 2)
 
 
-def _split_mass(phi_q, phi_k, den_floor, channel=True):
+def split_mass(phi_q, phi_k, den_floor, channel=True):
     """``(phi_q, phi_k, mass)``: the features without the mass channel and the channel
     ``[B, Tk, H]`` (None without a floor). The main sums then run on exactly the features
     of the unfloored call, so rows above the floor come out bit for bit the same. Without
     `channel` the features carry none, and the mass is ``|phi_k|`` (`key_mass`)."""
-    phi_k, mass = _split_key_mass(phi_k, den_floor, channel)
+    phi_k, mass = split_key_mass(phi_k, den_floor, channel)
     return (phi_q[..., :-1] if den_floor and channel else phi_q), phi_k, mass
 
 
-def _split_key_mass(phi_k, den_floor, channel=True):
-    """``(phi_k, mass)``: the key side of `_split_mass`."""
+def split_key_mass(phi_k, den_floor, channel=True):
+    """``(phi_k, mass)``: the key side of `split_mass`."""
     if not den_floor:
         return phi_k, None
-    return _split_last(phi_k) if channel else (phi_k, key_mass(phi_k))
+    return split_last(phi_k) if channel else (phi_k, key_mass(phi_k))
 
 
-def _check_floor(den_floor, phi_k):
+def check_floor(den_floor, phi_k):
+    """Raises ValueError unless `den_floor` is 0 / None or in ``(0, 1)`` with key features
+    `phi_k` that carry the mass channel (`mass_channel`)."""
     if not den_floor:
         return
     if not 0.0 < den_floor < 1.0:
@@ -187,24 +189,27 @@ def key_mask(mask, tk: int, batch: int):
     return mask
 
 
-def _check_one_key_weighting(log_decay, key_log_scale):
+def check_one_key_weighting(log_decay, key_log_scale):
+    """Raises ValueError when both a decay and key log-scales are given."""
     if log_decay is not None and key_log_scale is not None:
         raise ValueError("linear_attention: pass log_decay or key_log_scale, not both")
 
 
-def _apply_key_mask(phi_k, mask):
+def apply_key_mask(phi_k, mask):
+    """`phi_k` ``[B, Tk, H, M]`` with the keys where `mask` ``[B, Tk]`` is False zeroed
+    (`phi_k` itself when `mask` is None)."""
     if mask is None:
         return phi_k
     return phi_k * mask[:, :, None, None].astype(phi_k.dtype)
 
 
 #: Log-scale of masked (and padded) keys: finite, so differences never give NaN.
-_NEG = -1e30
+NEG_LOG_SCALE = -1e30
 
 
-def _masked_log_scale(key_log_scale, mask, shape):
-    """``[B, Tk, H]`` float32 log-scales, `_NEG` at masked keys (0 when not given)."""
+def masked_log_scale(key_log_scale, mask, shape):
+    """``[B, Tk, H]`` float32 log-scales, `NEG_LOG_SCALE` at masked keys (0 when not given)."""
     ns = jnp.zeros(shape, _f32) if key_log_scale is None else key_log_scale.astype(_f32)
     if mask is not None:
-        ns = jnp.where(mask[:, :, None], ns, _NEG)
+        ns = jnp.where(mask[:, :, None], ns, NEG_LOG_SCALE)
     return ns

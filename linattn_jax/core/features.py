@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from linattn_jax.core.common import _f32
+_f32 = jnp.float32
+
 
 #: pi / 2 in three parts (Cody-Waite): ``k * _PIO2[0]`` and ``k * _PIO2[1]`` are exact in
 #: float32 for |x| < ~1e4, so the reduced argument keeps its accuracy there.

@@ -1,7 +1,7 @@
 """Linear attention's entry points: `linear_attention` (the non-causal form as two
 einsums; the causal form from `linattn_jax.core.causal`), its naive oracle
 `quadratic_reference`, `attend` / `attend_features` (what every feature-map mechanism ends
-with; a token-wise map's long non-causal pass block by block, `_noncausal_fused`) and
+with; a token-wise map's long non-causal pass block by block, `noncausal_fused`) and
 `normalized_weights`."""
 
 from __future__ import annotations
@@ -13,32 +13,33 @@ import jax.numpy as jnp
 from jax import lax
 
 from linattn_jax.core.causal import (
-    _causal_chunked,
-    _causal_fused,
-    _check_no_decay,
-    _chunking,
-    _mass_channel_config,
-    _token_chunks,
+    causal_chunked,
+    causal_fused,
+    check_no_decay,
+    chunking,
+    mass_channel_config,
+    token_chunks,
 )
 from linattn_jax.core.common import (
-    _NEG,
     DENOMINATOR_EPS,
-    _apply_key_mask,
-    _check_floor,
-    _check_one_key_weighting,
-    _f32,
-    _masked_log_scale,
-    _read_out_heads_first,
-    _split_key_mass,
-    _split_mass,
+    NEG_LOG_SCALE,
+    apply_key_mask,
+    check_floor,
+    check_one_key_weighting,
     denominator_floor,
     guard_denominator,
+    masked_log_scale,
+    read_out_heads_first,
     scale_rows,
+    split_key_mass,
+    split_mass,
 )
 from linattn_jax.core.features import FeatureMap
 
+_f32 = jnp.float32
+
 #: Block length of the non-causal pass of a token-wise feature map over a long sequence
-#: (`attend_features`, `_noncausal_fused`).
+#: (`attend_features`, `noncausal_fused`).
 NONCAUSAL_BLOCK = 512
 
 
@@ -78,24 +79,24 @@ def linear_attention(
     Returns:
       ``[B, Tq, H, Dv]`` float32.
     """
-    _check_floor(den_floor, phi_k)
+    check_floor(den_floor, phi_k)
     phi_q, phi_k, v = phi_q.astype(_f32), phi_k.astype(_f32), v.astype(_f32)
-    phi_k = _apply_key_mask(phi_k, mask)
-    ns = _masked_log_scale(key_log_scale, mask, phi_k.shape[:3])
-    _check_one_key_weighting(log_decay, key_log_scale)
+    phi_k = apply_key_mask(phi_k, mask)
+    ns = masked_log_scale(key_log_scale, mask, phi_k.shape[:3])
+    check_one_key_weighting(log_decay, key_log_scale)
     if not causal:
-        _check_no_decay(log_decay)
+        check_no_decay(log_decay)
         # heads first as in `read_out`, swapped before the mass channel is split off, so
         # that a feature map's own swap (`heads_last`) cancels and the split is free
         pq, pk = jnp.swapaxes(phi_q, 1, 2), jnp.swapaxes(phi_k, 1, 2)  # [B, H, T, M]
-        pq, pk, mass = _split_mass(pq, pk, den_floor)
+        pq, pk, mass = split_mass(pq, pk, den_floor)
         wk = jnp.exp(ns - lax.stop_gradient(jnp.max(ns, axis=1, keepdims=True)))  # [B, Tk, H]
         # the key weights go on v (Dv wide), not on phi_k (M wide)
         kv = jnp.einsum("bhtm,bthd->bhmd", pk, scale_rows(v, wk))
         z = jnp.einsum("bhtm,bth->bhm", pk, wk)
         key_mass = None if mass is None else jnp.sum(mass * jnp.swapaxes(wk, 1, 2), axis=2)
-        return _read_out_heads_first(pq, kv, z, key_mass, eps, den_floor)
-    return _causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps, den_floor=den_floor)[0]
+        return read_out_heads_first(pq, kv, z, key_mass, eps, den_floor)
+    return causal_chunked(phi_q, phi_k, v, chunk_size, log_decay, ns, eps, den_floor=den_floor)[0]
 
 
 def quadratic_reference(
@@ -117,10 +118,10 @@ def quadratic_reference(
     ``exp(G_i - G_j)``; ``out = A V / guard(rowsum A)``. Same arguments and result
     as `linear_attention`.
     """
-    _check_floor(den_floor, phi_k)
+    check_floor(den_floor, phi_k)
     phi_q, phi_k, v = phi_q.astype(_f32), phi_k.astype(_f32), v.astype(_f32)
-    phi_k = _apply_key_mask(phi_k, mask)
-    ns = _masked_log_scale(key_log_scale, mask, phi_k.shape[:3]).transpose(0, 2, 1)  # [B, H, T]
+    phi_k = apply_key_mask(phi_k, mask)
+    ns = masked_log_scale(key_log_scale, mask, phi_k.shape[:3]).transpose(0, 2, 1)  # [B, H, T]
     if causal:
         t = ns.shape[-1]
         tril = jnp.tril(jnp.ones((t, t), bool))
@@ -133,7 +134,7 @@ def quadratic_reference(
     else:
         c = lax.stop_gradient(jnp.max(ns, axis=-1, keepdims=True))
         w = jnp.exp(ns - c)[..., None, :]
-    phi_q, phi_k, mass = _split_mass(phi_q, phi_k, den_floor)
+    phi_q, phi_k, mass = split_mass(phi_q, phi_k, den_floor)
     a = jnp.einsum("bihm,bjhm->bhij", phi_q, phi_k) * w
     num = jnp.einsum("bhij,bjhd->bihd", a, v)
     den = jnp.sum(a, axis=-1).transpose(0, 2, 1)
@@ -182,8 +183,8 @@ def normalized_weights(
 ):
     """The effective attention weights ``A / rowsum A`` as ``[B, H, Tq, Tk]`` (for inspection,
     plots and distillation; quadratic memory); `den_floor` as in `linear_attention`."""
-    _check_floor(den_floor, phi_k)
-    phi_q, phi_k = phi_q.astype(_f32), _apply_key_mask(phi_k.astype(_f32), mask)
+    check_floor(den_floor, phi_k)
+    phi_q, phi_k = phi_q.astype(_f32), apply_key_mask(phi_k.astype(_f32), mask)
     a = jnp.einsum("bihm,bjhm->bhij", phi_q, phi_k)
     visible = jnp.ones(a.shape[-2:], bool)
     if causal:
@@ -219,9 +220,9 @@ def attend_features(
     """A feature-map mechanism's attention from its `FeatureMap` (inputs already checked).
 
     A token-wise map computes its features inside the scans: chunk by chunk when causal
-    (`_causal_fused`), and block by block (`block_size` tokens) when non-causal over more
+    (`causal_fused`), and block by block (`block_size` tokens) when non-causal over more
     than two blocks with features wider than the head (M > d: they are then the pass's
-    largest arrays; `_noncausal_fused`). Otherwise the core gets the whole sequence's
+    largest arrays; `noncausal_fused`). Otherwise the core gets the whole sequence's
     features (`attend`). Measured: the block-by-block pass at T = 2k-16k ran faster for
     performer, rfa and the flexformers (forward and forward+backward), and slower for
     linear_elu (M = d), and below 2 blocks (docs/performance.md)."""
@@ -229,10 +230,10 @@ def attend_features(
     if fmap.token_wise and not quadratic:
         floor = fmap.den_floor(**config)
         if causal:
-            out = _causal_fused(fmap, params, q, k, v, mask, chunk_size, floor, config)
+            out = causal_fused(fmap, params, q, k, v, mask, chunk_size, floor, config)
             return out.astype(q.dtype)
-        if max(q.shape[1], k.shape[1]) > 2 * block_size and _wide(fmap, params, k, config):
-            out = _noncausal_fused(fmap, params, q, k, v, mask, block_size, floor, config)
+        if max(q.shape[1], k.shape[1]) > 2 * block_size and fused_is_wide(fmap, params, k, config):
+            out = noncausal_fused(fmap, params, q, k, v, mask, block_size, floor, config)
             return out.astype(q.dtype)
     keys = fmap.key(k, params, **config)
     return attend(
@@ -250,16 +251,16 @@ def attend_features(
     )
 
 
-def _wide(fmap, params, k, config) -> bool:
+def fused_is_wide(fmap, params, k, config) -> bool:
     """Whether the map's key features are wider than the head (M > d), from their shape."""
     phi = jax.eval_shape(lambda x: fmap.key(x, params, **config).phi, k[:, :1])
     return phi.shape[-1] > k.shape[-1]
 
 
-def _noncausal_fused(fmap, params, q, k, v, mask, block_size, den_floor, config, combine=None):
+def noncausal_fused(fmap, params, q, k, v, mask, block_size, den_floor, config, combine=None):
     """Non-causal `linear_attention` of a token-wise `FeatureMap` with its features computed
     block by block inside two scans: one over the key blocks (`_fused_key_sums`), then one
-    over the query blocks, each read out from the keys' sums (`_read_out_heads_first`).
+    over the query blocks, each read out from the keys' sums (`read_out_heads_first`).
     Each block's features are recomputed in the backward pass (`jax.checkpoint`), so
     neither pass holds the ``[B, T, H, M]`` features of the whole sequence, only one
     block's, in cache: at T = 4k and 16k the forward and forward+backward ran faster than
@@ -271,7 +272,7 @@ def _noncausal_fused(fmap, params, q, k, v, mask, block_size, den_floor, config,
     s, z, zm, c = _fused_key_sums(fmap, params, k, v, mask, block_size, den_floor, config)
     if combine is not None:
         s, z, zm = combine(s, z, zm, c)
-    config, channel = _mass_channel_config(fmap, config, den_floor)
+    config, channel = mass_channel_config(fmap, config, den_floor)
 
     # the backward pass recomputes a block's features, never stores them (no CSE to prevent
     # inside a scan)
@@ -280,10 +281,10 @@ def _noncausal_fused(fmap, params, q, k, v, mask, block_size, den_floor, config,
         pq = jnp.swapaxes(fmap.query(qx, params, **config).astype(_f32), 1, 2)  # heads first
         pq = pq[..., :-1] if channel else pq
         mass = zm if den_floor else None
-        return _read_out_heads_first(pq, s, z, mass, DENOMINATOR_EPS, den_floor)
+        return read_out_heads_first(pq, s, z, mass, DENOMINATOR_EPS, den_floor)
 
     b, tq, h = q.shape[:3]
-    c, n, pad = _chunking(tq, block_size)
+    c, n, pad = chunking(tq, block_size)
     qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)), mode="edge") if pad else q
     qc = jnp.moveaxis(qp.reshape(b, n, c, *q.shape[2:]), 1, 0)  # [n, B, c, H, d]
     _, out = lax.scan(lambda _, qx: (None, query_block(s, z, zm, qx)), None, qc)
@@ -296,18 +297,18 @@ def _fused_key_sums(fmap, params, k, v, mask, block_size, den_floor, config):
     sum_j exp(n_j - c) phi(k_j) v_j^T`` (z likewise, zm the mass channel's sum, 0 without a
     floor) over the unmasked keys, c the max of their log-scales n_j (detached), kept as a
     running max over the blocks (as `combine_states`)."""
-    vc, keepc, kc = _token_chunks(block_size, mask, v, k)
-    config, channel = _mass_channel_config(fmap, config, den_floor)
+    vc, keepc, kc = token_chunks(block_size, mask, v, k)
+    config, channel = mass_channel_config(fmap, config, den_floor)
 
-    @functools.partial(jax.checkpoint, prevent_cse=False)  # as in `_noncausal_fused`
+    @functools.partial(jax.checkpoint, prevent_cse=False)  # as in `noncausal_fused`
     def key_block(vx, keepx, kx):
         """One block's ``(s, z, zm, c)``."""
         keys = fmap.key(kx, params, **config)
-        _check_no_decay(keys.log_decay)
+        check_no_decay(keys.log_decay)
         # heads first [B, H, c, M] (cancels the map's own swap)
         pk = jnp.swapaxes(keys.phi.astype(_f32), 1, 2)
-        pk, mass = _split_key_mass(pk, den_floor, channel)
-        ns = _masked_log_scale(keys.log_scale, keepx, (kx.shape[0], kx.shape[1], pk.shape[1]))
+        pk, mass = split_key_mass(pk, den_floor, channel)
+        ns = masked_log_scale(keys.log_scale, keepx, (kx.shape[0], kx.shape[1], pk.shape[1]))
         ns = jnp.swapaxes(ns, 1, 2)  # [B, H, c]
         top = lax.stop_gradient(jnp.max(ns, axis=-1))
         # The key weights, 0 at masked keys, go on v and z (c wide), not on phi (M wide).
@@ -327,5 +328,5 @@ def _fused_key_sums(fmap, params, k, v, mask, block_size, den_floor, config):
 
     shapes = jax.eval_shape(key_block, *(x[0] for x in (vc, keepc, kc)))
     init = tuple(jnp.zeros(x.shape, _f32) for x in shapes[:3])
-    init += (jnp.full(shapes[3].shape, _NEG, _f32),)
+    init += (jnp.full(shapes[3].shape, NEG_LOG_SCALE, _f32),)
     return lax.scan(key_step, init, (vc, keepc, kc))[0]

@@ -10,15 +10,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from linattn_jax.core.common import (
-    _NEG,
     DENOMINATOR_EPS,
-    _apply_key_mask,
-    _check_floor,
-    _f32,
-    _masked_log_scale,
+    NEG_LOG_SCALE,
+    apply_key_mask,
+    check_floor,
+    masked_log_scale,
     read_out,
 )
 from linattn_jax.core.features import KeyFeatures
+
+_f32 = jnp.float32
 
 
 class RecurrentState(NamedTuple):
@@ -40,7 +41,7 @@ def recurrent_init(batch: int, num_heads: int, num_features: int, value_dim: int
     return RecurrentState(
         jnp.zeros((batch, num_heads, num_features, value_dim), _f32),
         jnp.zeros((batch, num_heads, num_features), _f32),
-        jnp.full((batch, num_heads), _NEG, _f32),
+        jnp.full((batch, num_heads), NEG_LOG_SCALE, _f32),
     )
 
 
@@ -56,7 +57,7 @@ def recurrent_step(
       v: ``[B, 1, H, Dv]`` its value.
       eps, den_floor: as in `linear_attention`.
     """
-    _check_floor(den_floor, keys.phi)
+    check_floor(den_floor, keys.phi)
     s, z, c = state
     b = keys.phi[:, 0].astype(_f32)  # [B, H, M]
     n = jnp.zeros_like(c) if keys.log_scale is None else keys.log_scale[:, 0].astype(_f32)
@@ -76,8 +77,8 @@ def block_state(phi_k, v, *, mask=None, log_decay=None, key_log_scale=None):
     """The `RecurrentState` of one block of keys alone (from an empty state), in one pass:
     ``s = sum_j exp(G - G_j + n_j - c) phi(k_j) v_j^T`` with ``G_j`` the cumulative log decay
     up to j, ``G`` its total and ``c`` the max of the key log-scales (detached)."""
-    phi_k, v = _apply_key_mask(phi_k.astype(_f32), mask), v.astype(_f32)
-    ns = _masked_log_scale(key_log_scale, mask, phi_k.shape[:3])
+    phi_k, v = apply_key_mask(phi_k.astype(_f32), mask), v.astype(_f32)
+    ns = masked_log_scale(key_log_scale, mask, phi_k.shape[:3])
     c = lax.stop_gradient(jnp.max(ns, axis=1))  # [B, H]
     logw = ns - c[:, None]
     if log_decay is not None:
