@@ -265,54 +265,26 @@ def _heads(x):
     return jnp.swapaxes(x, 1, 2)  # [B, T, H, d] <-> [B, H, T, d]
 
 
-def _lara_public(body):
-    """The public signature around ``body(q, k, v, mask, t, cfg)``: checks the inputs and
-    draws the terms (`_lara_terms`) once for `lara_attention` and its oracle alike. The
-    registry reads the keyword-only config from this explicit signature."""
-
-    def attention(
-        q,
-        k,
-        v,
-        params,
-        rng=None,
-        *,
-        mask=None,
-        causal=False,
-        deterministic=False,
-        num_landmarks=64,
-        num_samples=1,
-        proposal="mean",
-        grid=None,
-        antithetic=False,
-        mis="opt",
-        alpha_coeff=1.0,
-        noise_scale=None,
-        mixed=False,
-    ):
-        cfg = _Cfg(
-            num_landmarks,
-            num_samples,
-            proposal,
-            grid,
-            antithetic,
-            mis,
-            alpha_coeff,
-            noise_scale,
-            mixed,
-        )
-        _check_lara(q, k, v, params, mask, causal, rng, deterministic, cfg)
-        t = _lara_terms(q, k, params, rng, mask, deterministic, cfg)
-        return body(q, k, v, mask, t, cfg)
-
-    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
-        setattr(attention, attr, getattr(body, attr))
-    attention.body = body  # for `lara_sharded`
-    return attention
-
-
-@_lara_public
-def lara_attention(q, k, v, mask, t, cfg, seq_axis=None):
+def lara_attention(
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    num_landmarks=64,
+    num_samples=1,
+    proposal="mean",
+    grid=None,
+    antithetic=False,
+    mis="opt",
+    alpha_coeff=1.0,
+    noise_scale=None,
+    mixed=False,
+):
     """Linear randomized attention (LARA), ``[B, Tq, H, Dv]`` in q's dtype. O(C (Tq + Tk) d).
 
     C = `num_landmarks` Gaussian proposals ``g_c = N(mu_c, I)``, ``mu_c = q~_c + k~_c``
@@ -383,6 +355,18 @@ def lara_attention(q, k, v, mask, t, cfg, seq_axis=None):
       noise_scale: std of the sampling noise in the scaled space; None = ``d ** -0.25``.
       mixed: mix the key landmarks by a softmax over their logits (official "-mixed").
     """
+    cfg = _Cfg(
+        num_landmarks, num_samples, proposal, grid, antithetic, mis, alpha_coeff, noise_scale,
+        mixed,
+    )  # fmt: skip
+    _check_lara(q, k, v, params, mask, causal, rng, deterministic, cfg)
+    t = _lara_terms(q, k, params, rng, mask, deterministic, cfg)
+    return _lara(q, k, v, mask, t, cfg)
+
+
+def _lara(q, k, v, mask, t, cfg, seq_axis=None):
+    """`lara_attention` from the drawn terms `t` (`_lara_terms`) and the config `cfg`;
+    `seq_axis`: the mesh axis the sequence is split over (`lara_sharded`)."""
     qh, kh, v32 = _heads(t["qh"]), _heads(t["kh"]), _heads(v.astype(_f32))  # [B, H, T, .]
     omega, mu = _heads(t["omega"]), _heads(t["mu"])  # [B, H, N, d], [B, H, L, d]
     masked = mask is not None
@@ -445,7 +429,7 @@ def lara_sharded(q, k, v, params, noise, *, mask=None, deterministic=False, seq_
     """
     cfg = _Cfg(**{key: config[key] for key in _Cfg._fields})
     t = _lara_terms(q, k, params, None, mask, deterministic, cfg, seq_axis, noise)
-    return lara_attention.body(q, k, v, mask, t, cfg, seq_axis)
+    return _lara(q, k, v, mask, t, cfg, seq_axis)
 
 
 def _query_correction(qh, q_bar, t, masked, seq_axis=None):
@@ -470,8 +454,26 @@ def _query_correction(qh, q_bar, t, masked, seq_axis=None):
     return corr if t["per"] == 1 else corr[:, :, t["term_c"]]
 
 
-@_lara_public
-def lara_reference(q, k, v, mask, t, cfg):
+def lara_reference(
+    q,
+    k,
+    v,
+    params,
+    rng=None,
+    *,
+    mask=None,
+    causal=False,
+    deterministic=False,
+    num_landmarks=64,
+    num_samples=1,
+    proposal="mean",
+    grid=None,
+    antithetic=False,
+    mis="opt",
+    alpha_coeff=1.0,
+    noise_scale=None,
+    mixed=False,
+):
     """Straightforward LARA with the same landmarks and draws (the oracle of `lara_attention`).
 
     Materialises the ``[B, H, Tq, N, Tk]`` joint log-density ``log xi(q^_n, omega) +
@@ -479,6 +481,17 @@ def lara_reference(q, k, v, mask, t, cfg):
     |omega|^2/2`` for g_c, linear-space balance-heuristic ratios, and the estimate
     as an explicit ratio ``sum_t W_nt f_t / sum_t W_nt``.
     """
+    cfg = _Cfg(
+        num_landmarks, num_samples, proposal, grid, antithetic, mis, alpha_coeff, noise_scale,
+        mixed,
+    )  # fmt: skip
+    _check_lara(q, k, v, params, mask, causal, rng, deterministic, cfg)
+    t = _lara_terms(q, k, params, rng, mask, deterministic, cfg)
+    return _lara_reference(q, k, v, mask, t, cfg)
+
+
+def _lara_reference(q, k, v, mask, t, cfg):
+    """`lara_reference` from the drawn terms `t` (`_lara_terms`) and the config `cfg`."""
     qh, kh, omega, mu = t["qh"], t["kh"], t["omega"], t["mu"]
     b, tq, h, _ = q.shape
     tk = k.shape[1]
