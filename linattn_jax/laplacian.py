@@ -59,13 +59,10 @@
   then symmetric positive definite (both kernels are positive definite), so
   ``A + eps I`` has sigma_min >= eps and Newton-Schulz converges. Nystromformer's separate
   query landmarks (``shared_landmarks=False``, ``A = kappa(Q~, K~)``) give a non-symmetric
-  A whose sigma_min falls to 4.0e-8 - 4.6e-6 against sigma_max 3.7 - 21 on the real
-  activations at init (ListOps mini, ViT mini, DeiT-tiny; lambda = d / 2): there the
-  Newton-Schulz residual ``max |P V - I|`` is 0.38 - 0.65 after 20 steps and 0.026 - 0.29
-  after 30, float32 diverges by 60 steps on DeiT-tiny (1e3), and the output is 1.5 - 8.6x the
-  scale of the shared form's (std(out) / std(v) 69 vs 8, 135 vs 36, 926 vs 633). Shared
-  landmarks: sigma_min(A) >= 0.03, residual <= 4.6e-4 after 20 steps and <= 2.9e-5 after 30
-  (the default ``ns_iters``), and tripling the steps changes the output by <= 1.1e-4. Both
+  A which, on the real activations at init (ListOps mini, ViT mini, DeiT-tiny), is nearly
+  singular: Newton-Schulz has not converged after the default ``ns_iters`` and float32
+  diverges on DeiT-tiny by 60 steps, where the shared form converges and is stable
+  (docs/activations.md, ``python -m train.bench_activations --sections laplacian``). Both
   forms estimate the same K: ``C_q A^+ C_k`` is exact when the landmarks are all the keys.
 
   Local branch (the paper's depthwise convolution on V, added to the global output):

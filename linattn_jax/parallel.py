@@ -22,7 +22,7 @@ T-long tensor of another device:
   chunk's features), and the causal pass (`core.causal.causal_fused`) starts from the
   gathered prefix. No device then holds its ``[B, T/n, H, M]`` features in the forward
   pass; per-device memory, forward and forward+backward, is about 1/n of one device's
-  (docs/performance.md, "Issue 36"). Other maps map the device's block whole.
+  (docs/performance.md). Other maps map the device's block whole.
 * **The Nystrom family** (nystromformer, soft, laplacian; non-causal): each device sums its
   tokens into the landmark segments of the whole sequence
   (`linattn_jax.landmarks.sharded_landmarks`: the same segments as the one-device call,

@@ -86,8 +86,8 @@ def ra_attention(
     Unbiasedness needs the noise to match the proposal density: eps has unit variance in
     the scaled space, as the paper writes it. The official RA (HKUNLP efficient-attention)
     adds its noise before the ``d^(-1/4)`` scaling (an effective std of ``d^(-1/4)``), which
-    makes it biased: its error vs softmax levels off at 0.035 where ours is 0.012 at 2048
-    samples (figures reported in issue 14, not rerun here).
+    makes it biased: its error against softmax stops falling as the samples grow, where an
+    unbiased estimator's keeps falling at the Monte-Carlo rate.
 
     Args:
       q: ``[B, Tq, H, Dk]``; k: ``[B, Tk, H, Dk]``; v: ``[B, Tk, H, Dv]``.

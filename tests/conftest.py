@@ -16,7 +16,7 @@ if "collective_call_terminate_timeout" not in os.environ["XLA_FLAGS"]:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # pyproject's addopts rerun, once, a test whose xdist worker died without a Python error
 # (pytest-rerunfailures, `--only-rerun` on xdist's "worker ... crashed while running"): CI
-# (stop 38) lost a worker to a native fault inside test_vision's bfloat16 ViT test, which
+# lost a worker to a native fault inside test_vision's bfloat16 ViT test, which
 # passes alone (3 runs) and with its file (1 run) here; the fault's frames were not in the
 # log. A test that fails, or crashes twice, still fails; the summary counts every rerun.
 # XLA's optimisation passes off for the suite (and the subprocesses its tests start, which
@@ -27,7 +27,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # test_mechanisms turns them back on (`optimised_xla`) for every mechanism.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # On a GPU (kernels/gpu_check.sh sets JAX_PLATFORMS=cuda) float32 matmuls default to TF32, whose
-# 10-bit mantissa misses the float32 tolerances the tests are keyed to: on an H200 (stop 47) 28 of
+# 10-bit mantissa misses the float32 tolerances the tests are keyed to: on an H200 28 of
 # the 152 compiled tests failed at the default, and passed at full precision, the setting below
 # (27 in the same 4-process run; the 28th alone: docs/performance.md).
 # The tests check the algorithms in float32; TF32 is a user's speed-for-precision choice, and

@@ -1,4 +1,4 @@
-"""Every bad argument is a named error (issue 34): params of the wrong kind, an rng that is
+"""Every bad argument is a named error: params of the wrong kind, an rng that is
 not a key, a config value contradicting the params, a non-positive size at `bind`, and a
 device list where `sequence_parallel` takes a mesh. Each message names the argument, what
 it got and what is accepted."""

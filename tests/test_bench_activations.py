@@ -1,5 +1,5 @@
 """train.bench_activations: the pieces of ``python -m train.bench_activations`` at tiny shapes,
-and the pin of issue 19's stability measure (flexformer_n's spread across meshes against
+and the pin of the stability measure (flexformer_n's spread across meshes against
 softmax's)."""
 
 import math
@@ -135,8 +135,8 @@ def test_mock_image_task_batches():
 
 @pytest.mark.slow  # four Trainer compiles (~35 s idle); test_flexformer's mesh test is the fast one
 def test_flexformer_n_mesh_spread_within_k_times_softmax():
-    """Issue 19: with the default features, sharding changes flexformer_n's loss no more than
-    softmax's (up to a factor and the rounding floor; issue 19 saw the raw map, qk_radius=None,
+    """With the default features, sharding changes flexformer_n's loss no more than
+    softmax's (up to a factor and the rounding floor; the raw map, qk_radius=None,
     amplify it). Tiny encoder, 1 device vs a (2, 4) mesh (measured: 1.2e-7 vs 2.4e-7)."""
     from test_train import tiny_config, toy_task
 

@@ -116,14 +116,15 @@ def test_table_config_applies_the_budget_and_the_power_settings():
     assert (c.data.min_length, c.data.max_length, c.data.seq_len) == (100, 250, 256)
     assert c.seed == 2 and c.num_train_steps == 500 and c.attention == "performer"
     assert table.task_config("listops", "softmax", 0, quick=True).num_train_steps == 4
-    # issue 37: >= 5 seeds, test sets >= 2000, the larger Pathfinder budget
+    # the power settings: >= 5 seeds, test sets >= 2000, the larger Pathfinder budget
     assert claims.Settings().seeds >= 5 == claims.MIN_SEEDS
     for task in table.TASKS:
         assert table.task_config(task, "softmax", 0).data.num_test >= 2000
     p = table.task_config("pathfinder", "lara_mixed", 0)
     assert (p.data.num_train, p.num_train_steps) == (100_000, 5000)
     assert p.attention == "lara" and p.attention_config.mixed is True
-    # issue 35's variants: one option each, top-level (the lr multiplier) or the mechanism's
+    # flexformer_n's kernel variants: one option each, top-level (the lr multiplier) or
+    # the mechanism's
     lr10, raw = (table.task_config("listops", f"flexformer_n_{v}", 0) for v in ("lr10", "raw"))
     assert (lr10.attention, lr10.mechanism_lr_mult, lr10.attention_config.num_features) == (
         "flexformer_n", 10.0, 32)  # fmt: skip
@@ -190,7 +191,7 @@ def test_table_claims_decide_by_interval_and_skip_unlearned_tasks(tmp_path, monk
     numbers, verdict, _ = table.compare(got, "performer", ["lara"])
     assert verdict == claims.NOT_REPRODUCED, numbers
     assert table.equal_budget(settings).verdict == claims.PARTLY  # softmax learns 1 of 2
-    # the kernel ablation: laplacian(kernel="gaussian") exists (issue 37), so it is decided
+    # the kernel ablation: laplacian(kernel="gaussian") exists, so it is decided
     assert table.gaussian_option() == ""
     finding = table.laplacian_beats_soft(settings)
     assert finding.verdict == claims.REPRODUCED, finding.numbers

@@ -1,7 +1,7 @@
 """Every learnable parameter of every mechanism gets a gradient at the default config.
 
 A parameter whose gradient is ~0 at the default config is dead weight: flexformer_n's
-``tau`` was (its norm term cancels once q, k are normalised, issue 35). The loss is a fixed
+``tau`` was (its norm term cancels once q, k are normalised). The loss is a fixed
 random projection of the output (not degenerate: its gradient reaches every output entry).
 """
 

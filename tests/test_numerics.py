@@ -1,4 +1,4 @@
-"""Exact at any input scale (issue 34), pinned with fixed inputs.
+"""Exact at any input scale, pinned with fixed inputs.
 
 With every key identical, every normalised mechanism's exact answer is the mean of v (the
 prefix mean when causal) whatever the scale of q and k: each query's weights over its

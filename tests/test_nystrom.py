@@ -31,7 +31,7 @@ CASES = [
     ("laplacian", {"normalize": "row"}),
     ("laplacian", {"normalize": "none"}),
     ("laplacian", {"shared_landmarks": False, "local_window": 0}),
-    ("laplacian", {"kernel": "gaussian", "normalize": "injective"}),  # issue 37's ablation
+    ("laplacian", {"kernel": "gaussian", "normalize": "injective"}),  # the kernel ablation
 ]
 IDS = [f"{n}-{c.get('normalize', 'none')}-{len(c)}" for n, c in CASES]
 WEIGHTS = {

@@ -1,5 +1,5 @@
 """Training on a (data, seq) mesh: the causal LM's attention runs sequence-parallel over the
-``seq`` axis (issue 18) and matches the one-device run; checkpoints round-trip; bad meshes
+``seq`` axis and matches the one-device run; checkpoints round-trip; bad meshes
 raise clear errors."""
 
 from __future__ import annotations

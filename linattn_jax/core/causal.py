@@ -42,7 +42,7 @@ _f32 = jnp.float32
 #: fastest), ``"parallel"`` (`_chunk_parallel`: every chunk at once, the states before each
 #: by a parallel prefix, log depth in the number of chunks: for accelerators, where the
 #: scan's small sequential steps are latency-bound (on an H200, 4-15x faster than the scan:
-#: docs/performance.md, stop 47); it holds every chunk's features and
+#: docs/performance.md, the H200 run); it holds every chunk's features and
 #: state, ``T / chunk_size x B x H x M x (Dv + 1)`` floats, where the scan holds one: set
 #: ``"scan"`` when that does not fit) or ``"auto"``: the scan on CPU, the parallel form on
 #: any other backend. Both give the same values to rounding. Read when a function is traced

@@ -18,7 +18,7 @@ from jax import lax
 #: a tiny positive denominator of positive weights is divided exactly (its numerator is as
 #: small). At 1e-18 the gradient of the ratio, ``num / den^2``, stays finite in float32
 #: (1 / (2 eps)^2 < 3.4e38). An absolute 1e-6 here shrank every output whose stabilised
-#: denominator fell below it (performer and hedgehog at input scales >= 10, issue 34).
+#: denominator fell below it (performer and hedgehog at input scales >= 10).
 DENOMINATOR_EPS = 1e-18
 
 _f32 = jnp.float32
@@ -33,7 +33,7 @@ def _unit_axis_on_cpu(shape) -> bool:
     multiply-reduce that runs 8-20x slower than the same sum as a contraction (``[1, 512,
     4, 64]``: 0.41 ms against 0.045 ms), and the transpose of a broadcast multiply is that
     multiply-reduce. Without a unit axis the plain forms are as fast or faster in context
-    (docs/performance.md, "Issue 36: row reductions at batch 1")."""
+    (docs/performance.md, "row reductions at batch 1")."""
     return 1 in shape[:-1] and jax.default_backend() == "cpu"
 
 

@@ -1,5 +1,5 @@
 """``python -m train.bench.fusions [mechanisms]``: what XLA's optimised CPU program of each
-mechanism's attention does with the features (issue 36), forward and forward+backward,
+mechanism's attention does with the features, forward and forward+backward,
 causal and not, at a small T:
 
 - ``polynomial``: fused computations that evaluate the sine polynomial of `core.sincos` /

@@ -30,7 +30,7 @@ fake CPU devices (the command re-executes itself with
 change the init key only (``Trainer.init_key``): ListOps mini has no dropout and both
 mechanisms are deterministic, so the per-step key is never drawn from.
 
-``laplacian`` (issue 13). Models with ``laplacian`` attention at init: the ListOps mini
+``laplacian``. Models with ``laplacian`` attention at init: the ListOps mini
 encoder, the ViT mini preset and DeiT-tiny (d = 64; generated 224 x 224 images). Per
 model: the median L1 distance / d between q_i and k_j (valid pairs); quantiles of the Laplace
 kernel entries ``exp(-|q_i - k_j|_1 / lambda)`` at lambda = d / 2 (our init), sqrt(d) and 4
@@ -41,7 +41,7 @@ Newton-Schulz residual ``max |P V_k - I|`` (``P = A + eps I``, valid block) afte
 30 and 60 steps, and the relative change of the attention output (valid rows) from the
 default 30 steps to 90 and from 30 steps to the exact inverse.
 
-``kernels`` (issue 37). The same models' q, k at init: the median L1 distance / d and
+``kernels``. The same models' q, k at init: the median L1 distance / d and
 squared L2 distance / d over the valid pairs, and the entry quantiles of laplacian's two
 kernels at lambda = d / 2: the Laplace ``exp(-|q - k|_1 / lambda)`` and ``kernel="gaussian"``'s
 ``exp(-|q - k|_2^2 / (sqrt(pi) lambda))`` (`kernel_stats`).

@@ -1,4 +1,4 @@
-"""The ``denominators`` section of `train.bench_activations` (issue 19, stable features)."""
+"""The ``denominators`` section of `train.bench_activations` (stable features)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The ``laplacian`` section of `train.bench_activations` (issue 13, real activations)."""
+"""The ``laplacian`` section of `train.bench_activations` (real activations)."""
 
 from __future__ import annotations
 

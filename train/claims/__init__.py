@@ -52,7 +52,7 @@ PAPERS = ("Flexformer", "LaplacianFormer", "RA / LARA", "Equal budget")
 COMMAND = "python -m train.claims"
 
 
-#: the fewest seeds of a claim that compares accuracies (issue 37)
+#: the fewest seeds of a claim that compares accuracies
 MIN_SEEDS = 5
 
 

@@ -7,7 +7,7 @@ python -m train.claims --only ra.unbiased    # one claim (rerun with --rerun)
 python -m train.claims --report-only         # rewrite the report from docs/claims/*.json
 python -m train.claims --list                # every claim: kind, paper, statement
 
-Defaults are the power settings of issue 37 (5 seeds; the budgets of train.claims.table).
+Defaults are the power settings (5 seeds; the budgets of train.claims.table).
 Training runs are cached by config and code version: an interrupted claim resumes, a
 stale run reruns (train.claims.cache).
 """
@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
     if args.seeds < claims.MIN_SEEDS and not args.quick:
         print(
             f"warning: --seeds {args.seeds} < {claims.MIN_SEEDS}: accuracy comparisons are "
-            "under-powered (issue 37)"
+            "under-powered"
         )
     findings = args.findings or (
         Path(args.workdir) / "quick_findings" if args.quick else claims.Settings.findings

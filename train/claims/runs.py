@@ -12,7 +12,7 @@ table, `train.claims.table.train_run`; ``lm``: a byte-LM run of ``flexformer.lm`
 arm ``teacher`` is the softmax teacher of that seed) or a group: ``table`` (every mechanism
 of the table on both tasks), ``ablations`` (the extra arms of the mechanism claims:
 laplacian_gaussian on both tasks, LARA's ablation arms on ListOps), ``lm``, ``flexformer``
-(issue 35's ablation: flexformer_n and its variants `table.FLEXFORMER_VARIANTS` on both
+(the kernel-variant ablation: flexformer_n and its variants `table.FLEXFORMER_VARIANTS` on both
 tasks; the issue asks for 3 seeds, ``--seeds 3``), ``distill`` and ``transfer`` (their
 teachers first). A group is ordered for partial progress: per task softmax's seeds first
 (the claims train no other arm on a task softmax does not learn; this queue does, so run
@@ -32,7 +32,7 @@ the seeds' values, the 95% Welch interval of the difference to a reference arm
 (``--against``; default an ablation arm's own mechanism, else softmax) and the mean of the
 kernel diagnostics' end values (`kernel/...`) where the runs log them. ``--code VERSION``
 reads (``--list``, ``--summary``) the runs of an earlier code version instead, as the ledger
-keeps them: e.g. ``--code d96b4e34e15a860c`` for issue 35's Pathfinder ablation.
+keeps them: e.g. ``--code d96b4e34e15a860c`` for the kernel-variant ablation's Pathfinder runs.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The equal-budget LRA-style table and the accuracy claims read off it.
 
 Every arm (a mechanism, or a mechanism with an ablated option: `ARMS`) trains on the same
-tasks with the same model, steps and seeds (`TASKS`). The power settings (issue 37) are
+tasks with the same model, steps and seeds (`TASKS`). The power settings are
 the defaults: `claims.MIN_SEEDS` = 5 seeds, test sets of 2000 examples, and budgets where
 softmax learns each task (`softmax_learns`: on every seed at least `LEARNED`, and above
 each linear baseline by a 95% interval wholly > 0):
@@ -79,8 +79,8 @@ MECHANISMS = (
 )
 LINEAR = ("performer", "rfa", "hedgehog")
 #: arm -> (mechanism, config changes): the table's mechanisms at their mini settings, and
-#: the ablations of the mechanism claims and of issue 35 (one option changed each; keys are
-#: config paths, e.g. ``attention_config.kernel``).
+#: the ablations of the mechanism claims and flexformer_n's kernel variants (one option
+#: changed each; keys are config paths, e.g. ``attention_config.kernel``).
 ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     **{m: (m, {}) for m in MECHANISMS},
     # LaplacianFormer: the same construction with a Gaussian kernel (needs the
@@ -97,7 +97,7 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "lara_bh": ("lara", {"attention_config.mis": "bh"}),  # coupled weights: balance heuristic
     "lara_mixed": ("lara", {"attention_config.mixed": True}),  # the official "-mixed" proposals
-    # issue 35: flexformer_n's kernel variants on the table's tasks (docs/flexformer.md)
+    # flexformer_n's kernel variants on the table's tasks (docs/flexformer.md)
     **{
         f"flexformer_n_{name}": ("flexformer_n", change)
         for name, change in {
@@ -112,7 +112,7 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
         }.items()
     },
 }
-#: issue 35's flexformer_n variants (arms of `ARMS`), each against flexformer_n
+#: flexformer_n's kernel variants (arms of `ARMS`), each against flexformer_n
 FLEXFORMER_VARIANTS = tuple(a for a in ARMS if a.startswith("flexformer_n_"))
 #: task -> (preset, config changes); the budget is the same for every arm.
 TASKS: dict[str, tuple[str, dict[str, Any]]] = {
