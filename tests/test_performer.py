@@ -1,4 +1,4 @@
-"""Mechanism-specific properties of the baselines: performer, rfa, hedgehog, softmax."""
+"""performer (FAVOR+): orthogonal features, unbiasedness and rate, redraws, shared features."""
 
 import jax
 import jax.numpy as jnp
@@ -7,18 +7,7 @@ import pytest
 from _helpers import init, qkv, rel_err
 
 import linattn_jax as la
-from linattn_jax import performer, rfa
-
-
-def test_softmax_matches_jax_dot_product_attention():
-    q, k, v = qkv(tq=7, tk=9)
-    mask = jnp.ones((2, 9), bool).at[1, 5:].set(False)
-    out = la.get("softmax").attention(q, k, v, {}, mask=mask)
-    ref = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, None, :])
-    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
-    out_c = la.get("softmax").attention(q[:, :7], k[:, :7], v[:, :7], {}, causal=True)
-    ref_c = jax.nn.dot_product_attention(q[:, :7], k[:, :7], v[:, :7], is_causal=True)
-    np.testing.assert_allclose(out_c, ref_c, rtol=1e-5, atol=1e-6)
+from linattn_jax import performer
 
 
 def test_orthogonal_features_are_orthogonal_in_blocks():
@@ -136,58 +125,3 @@ def test_performer_shared_features_equal_per_head_copies():
     assert drawn["features"].shape == shared["features"].shape
     with pytest.raises(ValueError, match=r"expected \[H=2, M, d=8\] or \[1, M, d=8\]"):
         mech.attention(q, k, v, {"features": jnp.ones((3, 8, 8))}, deterministic=True)
-
-
-def test_rfa_kernel_is_gaussian_on_the_sphere():
-    """E[phi(q).phi(k)] = exp(-|sigma (q^ - k^)|^2 / 2) for unit q^, k^."""
-    d, m, n = 8, 16, 3000
-    q, k, _ = qkv(seed=2, b=1, tq=3, tk=3, h=1, d=d)
-    params = init(la.get("rfa").bind(num_features=m), h=1, d=d)
-    params["sigma"] = jnp.full((1, d), 0.8)
-    qu = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
-    ku = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    target = jnp.exp(-0.5 * jnp.sum((0.8 * (qu - ku)) ** 2, -1))[0, :, 0]
-
-    def estimate(r):
-        w = jax.random.normal(r, (1, m, d))
-        return jnp.sum(rfa.feature_map(q, params, w) * rfa.feature_map(k, params, w), -1)[0, :, 0]
-
-    draws = jax.vmap(estimate)(jax.random.split(jax.random.key(1), n))
-    z = np.abs(draws.mean(0) - target) / (draws.std(0) / np.sqrt(n))
-    assert np.all(z < 4.0), z
-
-
-@pytest.mark.parametrize("t,chunk", [(10, 4), (8, 8), (1, 2)])
-def test_rfa_gated_causal_matches_reference(t, chunk):
-    mech = la.get("rfa").bind(num_features=8, gate=True, chunk_size=chunk)
-    q, k, v = qkv(tq=t, tk=t)
-    params = init(mech)
-    params["gate_w"] = jax.random.normal(jax.random.key(4), params["gate_w"].shape)
-
-    def f(fn, q, k, v, p):
-        return fn(q, k, v, p, deterministic=True, causal=True)
-
-    np.testing.assert_allclose(
-        f(mech.attention, q, k, v, params), f(mech.reference, q, k, v, params), atol=1e-5
-    )
-    ga = jax.grad(lambda p: f(mech.attention, q, k, v, p).sum())(params)
-    gr = jax.grad(lambda p: f(mech.reference, q, k, v, p).sum())(params)
-    for key in ("gate_w", "gate_b", "sigma"):
-        np.testing.assert_allclose(ga[key], gr[key], rtol=1e-3, atol=1e-5)
-    assert jnp.any(ga["gate_w"] != 0)
-    with pytest.raises(ValueError, match="causal"):
-        mech.attention(q, k, v, params, deterministic=True)
-
-
-def test_hedgehog_features_and_identity_init():
-    mech = la.get("hedgehog")
-    params = init(mech, d=8)
-    np.testing.assert_array_equal(params["w"][0], jnp.eye(8))
-    q, _, _ = qkv()
-    phi = la.hedgehog.feature_map(q, params)
-    assert phi.shape == (2, 12, 2, 16) and jnp.all(phi > 0)
-    np.testing.assert_allclose(phi[..., :8].sum(-1), 1.0, rtol=1e-5)
-    # the softmax plus FEATURE_EPS times its largest entry
-    sm = jax.nn.softmax(q, axis=-1)
-    want = sm + la.hedgehog.FEATURE_EPS * jnp.max(sm, axis=-1, keepdims=True)
-    np.testing.assert_allclose(phi[..., :8], want, rtol=1e-5)
