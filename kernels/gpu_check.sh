@@ -24,7 +24,8 @@ PARTS=${PARTS:-tests kernels scaling causal}
 # float32 tolerances; JAX_DEFAULT_MATMUL_PRECISION=default runs them at TF32).
 PYTEST=(timeout "${PYTEST_TIMEOUT_S:-300}" python3 -m pytest -rf -o "addopts=-m 'not slow'"
   -o cache_dir=/tmp/gpu_check_pytest_cache -n 4
-  tests/test_kernels.py tests/test_nystrom.py tests/test_landmarks.py)
+  tests/test_kernels.py tests/test_l1_distance.py tests/test_newton_schulz.py tests/test_nystrom_core.py
+  tests/test_laplacian.py tests/test_soft.py tests/test_nystromformer.py tests/test_landmarks.py)
 [[ " $PARTS " == *" tests "* ]] && "${PYTEST[@]}" -v --tb=short 2>&1 | tee "$OUT/pytest_gpu.log" \
   | grep -E "FAILED|ERROR|passed|failed" | tail -60
 # Kernel timings at the design card's sizes (`python -m kernels.bench`'s GPU defaults); the bench

@@ -27,7 +27,7 @@ then 12 at 60). Hence laplacian's shared landmarks (linattn_jax/laplacian.py). W
 near-duplicate landmarks the max row sum grows to the cluster size (up to m when all
 landmarks coincide) while mu_min stays ~eps = 0.01, so 20 steps only converge when
 max_row_sum(P) <~ 3.6; otherwise the directions of the smallest eigenvalues are left
-under-inverted (V acts as a damped inverse there). tests/test_kernels.py checks the residual
+under-inverted (V acts as a damped inverse there). tests/test_newton_schulz.py checks the residual
 against the formula above.
 
 alpha depends on A only through a max: it is treated as a constant (no gradient).

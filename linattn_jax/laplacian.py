@@ -24,7 +24,7 @@
   c = sqrt(pi) both kernels have the mean exponent ``4 / sqrt(pi) = 2.26`` at
   lambda = d / 2, whatever d: on such q, k the median entries are 0.102 (Laplace) and
   0.108 (Gaussian) at d = 16, 0.106 and 0.108 at d = 64 (printed by ``pytest -s
-  tests/test_nystrom.py -k test_gaussian_bandwidth_matches_laplace_at_init``). On the real
+  tests/test_laplacian.py -k test_gaussian_bandwidth_matches_laplace_at_init``). On the real
   models' q, k at init (the models above) the median squared L2 distance is 1.9 d - 2.0 d
   and the median entries agree, Laplace 0.10 - 0.11 and Gaussian 0.10 - 0.12, the
   Gaussian's spreading wider (10% - 90% quantiles 0.032 - 0.27 against 0.055 - 0.18;
