@@ -378,3 +378,12 @@ def test_no_import_cycles():
     """The modules of train/, linattn_jax/ and kernels/ import one another without a circle,
     function-level imports included (a circle hidden inside a function is still one)."""
     assert _cycles(_module_graph()) == []
+
+
+def test_every_mechanism_and_kernel_module_has_its_test_file():
+    """The tests mirror the modules: a module that defines a registered mechanism, and each
+    kernel of `kernels`, has ``tests/test_<module>.py``."""
+    modules = {la.get(n).attention_fn.__module__.rpartition(".")[2] for n in la.names()}
+    modules |= {"l1_distance", "newton_schulz"}
+    missing = sorted(m for m in modules if not (ROOT / "tests" / f"test_{m}.py").exists())
+    assert not missing, f"modules without tests/test_<module>.py: {missing}"
