@@ -3,9 +3,10 @@
 Two mechanisms, both linear attention through the shared core (`core.attend`)
 with trigonometric features of the scaled inputs ``x^ = x d^(-1/4)``:
 
-``flexformer_s`` (stationary, Bochner). Learnable frequencies ``Omega [H, M, d]``
-(``params["omega"]``), initialised ``N(0, 1)``, and a learnable per-head temperature
-(``params["log_scale"] [H]``, init 0, see "Temperature" below)::
+``flexformer_s`` (stationary, Bochner). Learnable frequencies ``Omega [H, M, d]``, stored as
+``params["omega_tilde"] = Omega / sqrt(d)`` ("Parameterisation" below), initialised ``Omega ~
+N(0, 1)``, and a learnable per-head temperature (``params["log_scale"] [H]``, init 0, see
+"Temperature" below)::
 
     phi(x)  = M^(-1/2) [cos(Omega x^); sin(Omega x^)]                  [2M features]
     phi~(x) = exp(|x|^2 / (2 sqrt d)) phi(x) = exp(|x^|^2 / 2) phi(x)
@@ -16,7 +17,8 @@ exp(q^ . k^) = exp(q . k / sqrt d)``: the unbiased random-Fourier-feature
 estimator of the softmax kernel. Training moves the spectral density.
 
 ``flexformer_n`` (non-stationary, Yaglom). Learnable frequency pairs
-``Omega1, Omega2 [H, M, d]`` (``"omega1"``, ``"omega2"``) and a scale ``tau [H]`` (with
+``Omega1, Omega2 [H, M, d]`` (stored as ``"omega1_tilde"``, ``"omega2_tilde"``, each ``Omega_p /
+sqrt(d)``) and a scale ``tau [H]`` (with
 ``qk_radius`` set, tied to the temperature, "Temperature" below)::
 
     phi_n(x) = (4M)^(-1/2) [cos(Omega1 x^) + cos(Omega2 x^); sin(Omega1 x^) + sin(Omega2 x^)]
@@ -92,6 +94,26 @@ to 2.4e-7 (softmax's exactly). The seed applies the map to the raw inputs with t
 ratio; that form is ``qk_radius=None, den_floor=0`` (tau active, unstable at LRA
 activation sizes).
 
+Parameterisation (issue 55). The frequencies are stored as ``omega_tilde = Omega / c`` with a
+fixed ``c = sqrt(d)`` (``freq_scale``, a config key of init and attention alike; None means
+``sqrt(d)``), so the stored entries are ``N(0, 1 / d)``: the scale of the projections around
+them (``~ 1 / sqrt(fan_in)``), while ``Omega`` and hence the kernel at init are exactly
+those of the seed's ``N(0, 1)`` draw. Why: Adam moves every entry by about the learning rate
+whatever its scale, so frequencies stored as ``N(0, 1)`` entries moved ~8x less, relative to
+their size, than the weights around them (measured: 1.6% in 500 steps against 11-13% for the
+q / k projections), and the kernel barely learned. With ``c`` the relative step is ``c``
+times larger (``omega = c omega_tilde``); that is a learning-rate multiplier on the
+frequencies alone, which the trainer's ``mechanism_lr_mult`` (every mechanism param,
+``tau`` and ``log_scale`` included) is not: on ListOps mini (300 steps, 3 seeds,
+docs/flexformer.md "Parameterisation") ``c = sqrt(d) = 4`` moves the frequencies 3.6x
+further (``kernel/freq_move`` 0.043 vs 0.012) at an accuracy higher on every seed (val 30.7%
+vs 28.0% mean), whereas ``mechanism_lr_mult = 4`` on the old storage moves them as far
+(0.046) but loses accuracy (val 26.0%). ``freq_scale=1.0`` is the old storage (the stored
+entries are ``Omega``). `frequencies` returns ``Omega``; `from_direct_params` converts params
+of the old layout (``"omega"``, ``"omega1"``, ``"omega2"``, which are refused with a pointer
+to it). The same ``freq_scale`` must be bound for init and attention (it is not recorded in
+the params).
+
 Stabiliser. The norm factor ``exp(s(x))`` (``s = |x^|^2 / 2``, resp. ``|x|^2 /
 exp(tau)``) is never formed directly. For queries it is a per-token constant
 that cancels from the attention ratio, so it is dropped. For keys it is passed
@@ -126,8 +148,8 @@ frequencies ``Omega diag(b)`` and a kernel with a learned diagonal metric.
 Both are deterministic (``stochastic=False``): ``rng`` and ``deterministic`` are
 ignored. Public helpers: `feature_map_s` / `feature_map_n` (the stabilised
 features, e.g. for `core.normalized_weights` in distillation), `kernel` (the
-unstabilised estimate ``phi~(q) . phi~(k)``) and `spectral_samples` (the learned
-frequencies), for inspection and plots.
+unstabilised estimate ``phi~(q) . phi~(k)``), `frequencies` and `spectral_samples` (the
+learned frequencies ``Omega``, not the stored ``Omega / c``), for inspection and plots.
 """
 
 from __future__ import annotations
@@ -148,6 +170,15 @@ _PAIR_INITS = ("jitter", "tied", "independent")
 PAIR_JITTER = 0.1  # default flexformer_n pair jitter (see init_n)
 QK_RADIUS = 1.0  # default |q^| = |k^| before the map (module docstring, "Stability")
 DEN_FLOOR = 0.05  # default relative denominator floor (module docstring, "Stability")
+FREQ_KEYS = {"s": ("omega_tilde",), "n": ("omega1_tilde", "omega2_tilde")}  # stored omega / c
+_TEMP_KEY = {"s": "log_scale", "n": "tau"}
+_DIRECT_KEYS = {"s": ("omega",), "n": ("omega1", "omega2")}  # the layout that stored omega
+
+
+def freq_scale_of(head_dim, freq_scale=None):
+    """The constant ``c`` of ``omega = c * omega_tilde``: `freq_scale`, or ``sqrt(head_dim)``
+    when None (module docstring, "Parameterisation")."""
+    return math.sqrt(head_dim) if freq_scale is None else float(freq_scale)
 
 
 def _draw_frequencies(rng, num_heads, num_features, head_dim, init_method):
@@ -156,10 +187,16 @@ def _draw_frequencies(rng, num_heads, num_features, head_dim, init_method):
     return orthogonal_features(rng, num_heads, num_features, head_dim)
 
 
-def _check_init(name, num_heads, head_dim, num_features, init_method, init_scale):
+def _check_freq_scale(name, freq_scale):
+    if freq_scale is not None:
+        _checks.check_float(name, "freq_scale", freq_scale, lambda x: x > 0, "a float > 0 or None")
+
+
+def _check_init(name, num_heads, head_dim, num_features, init_method, init_scale, freq_scale):
     _checks.check_positive(name, num_heads=num_heads, head_dim=head_dim, num_features=num_features)
     _checks.check_choice(name, "init_method", init_method, _INIT_METHODS)
     _checks.check_float(name, "init_scale", init_scale, lambda x: x > 0, "a float > 0")
+    _check_freq_scale(name, freq_scale)
 
 
 def _with_bandwidth(params, num_heads, head_dim, learn_bandwidth):
@@ -178,14 +215,23 @@ def init_s(
     init_method: str = "gaussian",
     init_scale: float = 1.0,
     learn_bandwidth: bool = False,
+    freq_scale: float | None = None,
 ):
-    """``{"omega": [H, M, d], "log_scale": [H]}``: ``omega`` i.i.d. ``N(0, init_scale^2)`` (or
-    orthogonal blocks times `init_scale`, see module doc), ``log_scale = 0`` (the temperature
-    at init is 1; with the default ``init_scale=1`` the seed's map). `learn_bandwidth` adds
-    ``"log_bandwidth" [H, d]`` (init 0; module docstring, "Options")."""
-    _check_init("flexformer_s", num_heads, head_dim, num_features, init_method, init_scale)
+    """``{"omega_tilde": [H, M, d], "log_scale": [H]}``: the frequencies ``omega = c *
+    omega_tilde`` i.i.d. ``N(0, init_scale^2)`` (or orthogonal blocks times `init_scale`, see
+    module doc), stored divided by ``c = freq_scale_of(head_dim, freq_scale)``
+    ("Parameterisation"); ``log_scale = 0`` (the temperature at init is 1; with the default
+    ``init_scale=1`` the seed's map). `learn_bandwidth` adds ``"log_bandwidth" [H, d]``
+    (init 0; module docstring, "Options")."""
+    _check_init(
+        "flexformer_s", num_heads, head_dim, num_features, init_method, init_scale, freq_scale
+    )
     omega = _draw_frequencies(rng, num_heads, num_features, head_dim, init_method)
-    params = {"omega": init_scale * omega, "log_scale": jnp.zeros((num_heads,), _f32)}
+    c = freq_scale_of(head_dim, freq_scale)
+    params = {
+        "omega_tilde": (init_scale / c) * omega,
+        "log_scale": jnp.zeros((num_heads,), _f32),
+    }
     return _with_bandwidth(params, num_heads, head_dim, learn_bandwidth)
 
 
@@ -200,11 +246,14 @@ def init_n(
     pair_jitter: float = PAIR_JITTER,
     init_scale: float = 1.0,
     learn_bandwidth: bool = False,
+    freq_scale: float | None = None,
 ):
-    """``{"omega1", "omega2": [H, M, d], "tau": [H]}``; ``tau = log(2 sqrt d)``.
+    """``{"omega1_tilde", "omega2_tilde": [H, M, d], "tau": [H]}``; ``tau = log(2 sqrt d)``.
 
-    `init_scale` multiplies both frequency matrices (drawn as below), `learn_bandwidth` adds
-    ``"log_bandwidth" [H, d]`` (as `init_s`).
+    The frequency pair ``omega_p = c * omega_p_tilde`` is stored divided by ``c =
+    freq_scale_of(head_dim, freq_scale)`` (as `init_s`). `init_scale` multiplies both
+    frequency matrices (drawn as below), `learn_bandwidth` adds ``"log_bandwidth" [H, d]``
+    (as `init_s`).
 
     ``omega1`` = the draw `init_s` makes from the same `rng`. ``omega2`` by `pair_init`:
 
@@ -221,7 +270,9 @@ def init_n(
     - ``"independent"``: a second independent draw; the cross terms then estimate 1,
       not the softmax kernel (the init is far from the RFF estimator).
     """
-    _check_init("flexformer_n", num_heads, head_dim, num_features, init_method, init_scale)
+    _check_init(
+        "flexformer_n", num_heads, head_dim, num_features, init_method, init_scale, freq_scale
+    )
     _checks.check_choice("flexformer_n", "pair_init", pair_init, _PAIR_INITS)
     _checks.check_float(
         "flexformer_n", "pair_jitter", pair_jitter, lambda x: x >= 0, "a float >= 0"
@@ -234,9 +285,10 @@ def init_n(
         omega2 = _draw_frequencies(key2, num_heads, num_features, head_dim, init_method)
     else:
         omega2 = omega + pair_jitter * jax.random.normal(key2, omega.shape, _f32)
+    c = freq_scale_of(head_dim, freq_scale)
     params = {
-        "omega1": init_scale * omega,
-        "omega2": init_scale * omega2,
+        "omega1_tilde": (init_scale / c) * omega,
+        "omega2_tilde": (init_scale / c) * omega2,
         "tau": jnp.full((num_heads,), math.log(2.0 * math.sqrt(head_dim)), _f32),
     }
     return _with_bandwidth(params, num_heads, head_dim, learn_bandwidth)
@@ -317,34 +369,46 @@ def log_temperature_scale(params, head_dim, *, qk_radius=QK_RADIUS):
     return 0.5 * (math.log(2.0 * math.sqrt(head_dim)) - tau)
 
 
-def _parts_heads_first(variant, x, params, radius=None):
+def frequencies(params, *, freq_scale=None):
+    """The frequencies ``omega = c * omega_tilde`` as a tuple of ``[H, M, d]`` float32: one for
+    ``flexformer_s``, the pair for ``flexformer_n`` (read off the param names; ``c`` as
+    `freq_scale_of` of the params' ``d``)."""
+    variant = _variant(params)
+    stored = [params[key].astype(_f32) for key in FREQ_KEYS[variant]]
+    c = freq_scale_of(stored[0].shape[-1], freq_scale)
+    return tuple(c * w for w in stored)
+
+
+def _parts_heads_first(variant, x, params, radius=None, freq_scale=None):
     """``(s, phi)``: log norm factor ``[B, T, H, 1]`` and trig features heads first
     ``[B, H, T, 2M]``."""
     x = _normalize(x, radius)
     if "log_bandwidth" in params:  # the per-dimension bandwidth b: the map of b * x
         x = x * jnp.exp(params["log_bandwidth"].astype(_f32))[None, None]
     xh = core.scale_inputs(x)
-    # the features of a x^ (a the per-head temperature scale): a is folded into the
-    # frequencies ([H, M, d]), not into the [B, T, H, d] input
-    a = jnp.exp(log_temperature_scale(params, x.shape[-1], qk_radius=radius))[:, None, None]
+    d = x.shape[-1]
+    # the features of a x^ (a the per-head temperature scale): a and the frequency scale c
+    # are folded into the frequencies ([H, M, d]), not into the [B, T, H, d] input
+    a = jnp.exp(log_temperature_scale(params, d, qk_radius=radius))[:, None, None]
+    ac = a * freq_scale_of(d, freq_scale)
+    omegas = [ac * params[key].astype(_f32) for key in FREQ_KEYS[variant]]
     # the features are computed heads first (the d-wide input is transposed, not the
     # 2M-wide features); callers hand them back in the core's layout (`core.heads_last`)
     xt = jnp.swapaxes(xh, 1, 2)
     if variant == "s":
         s = _log_norm_s(xh) * jnp.square(a[:, 0])[None, None]  # |a x^|^2 / 2
-        return s, _trig(xt, a * params["omega"])
-    trig = _trig(xt, a * params["omega1"], a * params["omega2"])
+        return s, _trig(xt, *omegas)
     # with qk_radius, |x|^2 / exp(tau) == |a x^|^2 / 2: the norm term of the scaled input
-    return _log_norm_n(x, params["tau"]), trig
+    return _log_norm_n(x, params["tau"]), _trig(xt, *omegas)
 
 
-def _parts(variant, x, params, radius=None):
+def _parts(variant, x, params, radius=None, freq_scale=None):
     """``(s, phi)``: log norm factor ``[B, T, H, 1]`` and trig features ``[B, T, H, 2M]``."""
-    s, phi = _parts_heads_first(variant, x, params, radius)
+    s, phi = _parts_heads_first(variant, x, params, radius, freq_scale)
     return s, core.heads_last(phi)
 
 
-def feature_map_s(x, params, *, is_query: bool, mask=None, qk_radius=QK_RADIUS):
+def feature_map_s(x, params, *, is_query: bool, mask=None, qk_radius=QK_RADIUS, freq_scale=None):
     """Stabilised ``flexformer_s`` features ``[B, T, H, d] -> [B, T, H, 2M]`` float32.
 
     ``phi~(x) exp(-c)``: ``phi~`` as in the module docstring, c the detached
@@ -353,33 +417,54 @@ def feature_map_s(x, params, *, is_query: bool, mask=None, qk_radius=QK_RADIUS):
     This is the non-causal stabilisation; causal attention uses the running max
     (module docstring), which gives the same normalised weights up to rounding.
     """
-    s, phi = _parts("s", x, params, qk_radius)
+    s, phi = _parts("s", x, params, qk_radius, freq_scale)
     return _stabilised_norm_factor(s, is_query=is_query, mask=mask) * phi
 
 
-def feature_map_n(x, params, *, is_query: bool, mask=None, qk_radius=QK_RADIUS):
+def feature_map_n(x, params, *, is_query: bool, mask=None, qk_radius=QK_RADIUS, freq_scale=None):
     """Stabilised ``flexformer_n`` features ``[B, T, H, d] -> [B, T, H, 2M]`` float32.
 
     Same conventions as `feature_map_s`, with ``phi~(x) = exp(|x|^2 / exp(tau)) phi_n(x)``.
     """
-    s, phi = _parts("n", x, params, qk_radius)
+    s, phi = _parts("n", x, params, qk_radius, freq_scale)
     return _stabilised_norm_factor(s, is_query=is_query, mask=mask) * phi
 
 
 def _variant(params):
     keys = set(params) - {"log_bandwidth"}
-    if keys == {"omega", "log_scale"}:
-        return "s"
-    if keys == {"omega1", "omega2", "tau"}:
-        return "n"
+    for variant, freq_keys in FREQ_KEYS.items():
+        if keys == {*freq_keys, _TEMP_KEY[variant]}:
+            return variant
+    for variant, direct in _DIRECT_KEYS.items():
+        if keys == {*direct, _TEMP_KEY[variant]}:
+            raise ValueError(
+                f"flexformer: params {sorted(params)} store the frequencies directly (an older "
+                f"layout); they are now stored as {list(FREQ_KEYS[variant])} = omega / c with "
+                "c = freq_scale_of(d) (module docstring, 'Parameterisation'): convert with "
+                "`from_direct_params`"
+            )
     raise ValueError(
-        "flexformer: params must be flexformer_s params {'omega', 'log_scale'} or flexformer_n "
-        "params {'omega1', 'omega2', 'tau'} (either with an optional 'log_bandwidth'), got "
-        f"keys {sorted(params)}"
+        "flexformer: params must be flexformer_s params {'omega_tilde', 'log_scale'} or "
+        "flexformer_n params {'omega1_tilde', 'omega2_tilde', 'tau'} (either with an optional "
+        f"'log_bandwidth'), got keys {sorted(params)}"
     )
 
 
-def kernel(q, k, params, *, qk_radius=QK_RADIUS):
+def from_direct_params(params, *, freq_scale=None):
+    """Params of the layout that stored the frequencies themselves (``"omega"``, resp.
+    ``"omega1"``, ``"omega2"``) in this module's layout (``omega / c`` under the
+    ``"*_tilde"`` names; every other param unchanged): the same kernel."""
+    params = dict(params)
+    for variant, direct in _DIRECT_KEYS.items():
+        if all(key in params for key in direct):
+            c = freq_scale_of(params[direct[0]].shape[-1], freq_scale)
+            for old, new in zip(direct, FREQ_KEYS[variant], strict=True):
+                params[new] = params.pop(old) / c
+    _variant(params)
+    return params
+
+
+def kernel(q, k, params, *, qk_radius=QK_RADIUS, freq_scale=None):
     """The unstabilised kernel estimate ``phi~(q_i) . phi~(k_j)`` as ``[B, H, Tq, Tk]`` float32.
 
     For inspection, plots and tests (the variant is read off the param names).
@@ -388,8 +473,8 @@ def kernel(q, k, params, *, qk_radius=QK_RADIUS):
     large norms, exactly as the kernel itself does.
     """
     variant = _variant(params)
-    sq, pq = _parts(variant, q, params, qk_radius)
-    sk, pk = _parts(variant, k, params, qk_radius)
+    sq, pq = _parts(variant, q, params, qk_radius, freq_scale)
+    sk, pk = _parts(variant, k, params, qk_radius, freq_scale)
     dots = jnp.einsum("bihm,bjhm->bhij", pq, pk, precision=lax.Precision.HIGHEST)
     norms = (
         sq[..., 0].transpose(0, 2, 1)[..., :, None] + sk[..., 0].transpose(0, 2, 1)[..., None, :]
@@ -397,18 +482,18 @@ def kernel(q, k, params, *, qk_radius=QK_RADIUS):
     return jnp.exp(norms) * dots
 
 
-def trig_kernel(q, k, params):
+def trig_kernel(q, k, params, *, freq_scale=None):
     """The trigonometric part ``phi(q_i) . phi(k_j)`` (``phi_n`` for ``flexformer_n``) as
     ``[B, H, Tq, Tk]`` float32, without the norm factors: the Bochner (stationary) resp.
     Yaglom (non-stationary) kernel the frequencies define, on the raw inputs
     (``qk_radius=None``: ``flexformer_s``'s temperature applies, ``tau`` does not)."""
     variant = _variant(params)
-    _, pq = _parts(variant, q, params)
-    _, pk = _parts(variant, k, params)
+    _, pq = _parts(variant, q, params, None, freq_scale)
+    _, pk = _parts(variant, k, params, None, freq_scale)
     return jnp.einsum("bihm,bjhm->bhij", pq, pk, precision=lax.Precision.HIGHEST)
 
 
-def shift_invariance_gap(params, x, y, shifts):
+def shift_invariance_gap(params, x, y, shifts, *, freq_scale=None):
     """How far the trigonometric kernel is from stationary: ``sum Var_s / sum E_s[k^2]``.
 
     ``k_s = trig_kernel(x + s, y + s)`` for every shift ``s`` in `shifts` ``[S, d]`` and
@@ -418,16 +503,16 @@ def shift_invariance_gap(params, x, y, shifts):
     at most 1.
     """
     shifts = jnp.asarray(shifts, _f32)[:, None, None, None, :]  # [S, 1, 1, 1, d]
-    ks = jnp.stack([trig_kernel(x + s, y + s, params) for s in shifts])  # [S, B, H, Tq, Tk]
+    ks = jnp.stack(
+        [trig_kernel(x + s, y + s, params, freq_scale=freq_scale) for s in shifts]
+    )  # [S, B, H, Tq, Tk]
     return jnp.sum(jnp.var(ks, axis=0)) / jnp.sum(jnp.mean(ks * ks, axis=0))
 
 
-def spectral_samples(params):
+def spectral_samples(params, *, freq_scale=None):
     """The learned frequencies per head: ``omega [H, M, d]`` for ``flexformer_s``,
-    ``concat(omega1, omega2) [H, 2M, d]`` for ``flexformer_n`` (read off the param names)."""
-    if _variant(params) == "s":
-        return params["omega"]
-    return jnp.concatenate([params["omega1"], params["omega2"]], axis=1)
+    ``concat(omega1, omega2) [H, 2M, d]`` for ``flexformer_n`` (`frequencies`, stacked)."""
+    return jnp.concatenate(frequencies(params, freq_scale=freq_scale), axis=1)
 
 
 def _check_freqs(name, params, keys, h, d, extra=None):
@@ -451,12 +536,12 @@ def _feature_map(variant):
 
     # the mass channel is appended heads first, so that the core's swap back to heads first
     # cancels `heads_last` and its split drops the channel again without a transpose
-    def query(q, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR):
-        phi = _parts_heads_first(variant, q, params, qk_radius)[1]
+    def query(q, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None):
+        phi = _parts_heads_first(variant, q, params, qk_radius, freq_scale)[1]
         return core.heads_last(core.mass_channel(phi, is_query=True) if den_floor else phi)
 
-    def key(k, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR):
-        s, phi = _parts_heads_first(variant, k, params, qk_radius)
+    def key(k, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None):
+        s, phi = _parts_heads_first(variant, k, params, qk_radius, freq_scale)
         phi = core.mass_channel(phi, is_query=False) if den_floor else phi
         return core.KeyFeatures(core.heads_last(phi), s[..., 0])
 
@@ -493,15 +578,19 @@ def _attention_fn(name: str, *, quadratic: bool, doc: str):
         learn_frequencies=True,
         qk_radius=QK_RADIUS,
         den_floor=DEN_FLOOR,
+        freq_scale=None,
     ):
         del rng, deterministic
         _checks.check_inputs(name, q, k, v, mask, causal=causal)
         _checks.check_positive(name, chunk_size=chunk_size)
         h, d = q.shape[2], q.shape[3]
-        freq_keys = ("omega",) if name == "flexformer_s" else ("omega1", "omega2")
-        extra = {"log_scale" if name == "flexformer_s" else "tau": (h,)}
-        _check_freqs(name, params, freq_keys, h, d, extra)
+        variant = name[-1]
+        freq_keys = FREQ_KEYS[variant]
+        if set(params) & set(_DIRECT_KEYS[variant]):
+            _variant(params)  # the older layout: a clear error
+        _check_freqs(name, params, freq_keys, h, d, {_TEMP_KEY[variant]: (h,)})
         _check_map_config(name, qk_radius, den_floor)
+        _check_freq_scale(name, freq_scale)
         params = dict(params)
         if not learn_frequencies:
             for key in freq_keys:
@@ -518,6 +607,7 @@ def _attention_fn(name: str, *, quadratic: bool, doc: str):
             quadratic=quadratic,
             qk_radius=qk_radius,
             den_floor=den_floor,
+            freq_scale=freq_scale,
         )
 
     fn_name = ("reference_" if quadratic else "attention_") + name[-1]
@@ -533,7 +623,7 @@ attention_s = _attention_fn(
 
     ``out_i = phi~(q_i)^T S / phi~(q_i)^T z`` with ``S = sum_j phi~(k_j) v_j^T``,
     ``z = sum_j phi~(k_j)`` over unmasked keys (``j <= i`` when causal, chunked
-    with `chunk_size`). ``learn_frequencies=False`` stops gradients to ``omega``.
+    with `chunk_size`). ``learn_frequencies=False`` stops gradients to ``omega_tilde``.
     """,
 )
 reference_s = _attention_fn(
@@ -543,8 +633,8 @@ attention_n = _attention_fn(
     "flexformer_n",
     quadratic=False,
     doc="""``flexformer_n`` attention ``[B, Tq, H, Dv]``; as `attention_s` with the paired
-    features. ``learn_frequencies=False`` stops gradients to ``omega1``, ``omega2`` (``tau``
-    stays learnable).""",
+    features. ``learn_frequencies=False`` stops gradients to ``omega1_tilde``,
+    ``omega2_tilde`` (``tau`` stays learnable).""",
 )
 reference_n = _attention_fn(
     "flexformer_n", quadratic=True, doc="The naive quadratic form of `attention_n` (same features)."
@@ -559,11 +649,11 @@ def _params_config(params, freq_key):
 
 
 def _fixed_s(*, learn_frequencies=True):
-    return frozenset() if learn_frequencies else frozenset({"omega"})
+    return frozenset() if learn_frequencies else frozenset(FREQ_KEYS["s"])
 
 
 def _fixed_n(*, learn_frequencies=True):
-    return frozenset() if learn_frequencies else frozenset({"omega1", "omega2"})
+    return frozenset() if learn_frequencies else frozenset(FREQ_KEYS["n"])
 
 
 MECHANISM_S = register(
@@ -576,7 +666,7 @@ MECHANISM_S = register(
         stochastic=False,
         fixed_fn=_fixed_s,
         feature_map_spec=FEATURE_MAPS["flexformer_s"],
-        params_config_fn=lambda params: _params_config(params, "omega"),
+        params_config_fn=lambda params: _params_config(params, FREQ_KEYS["s"][0]),
         description="learnable spectral RFF, stationary (Bochner); Flexformer_s, O(T)",
     )
 )
@@ -591,7 +681,7 @@ MECHANISM_N = register(
         stochastic=False,
         fixed_fn=_fixed_n,
         feature_map_spec=FEATURE_MAPS["flexformer_n"],
-        params_config_fn=lambda params: _params_config(params, "omega1"),
+        params_config_fn=lambda params: _params_config(params, FREQ_KEYS["n"][0]),
         description="learnable spectral RFF pairs + scale, non-stationary (Yaglom); "
         "Flexformer_n, O(T)",
     )

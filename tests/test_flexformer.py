@@ -16,7 +16,7 @@ from linattn_jax import core
 from linattn_jax import flexformer as ff
 
 NAMES = ("flexformer_s", "flexformer_n")
-FREQ_KEYS = {"flexformer_s": ("omega",), "flexformer_n": ("omega1", "omega2")}
+FREQ_KEYS = {"flexformer_s": ("omega_tilde",), "flexformer_n": ("omega1_tilde", "omega2_tilde")}
 FMAP = {"flexformer_s": ff.feature_map_s, "flexformer_n": ff.feature_map_n}
 # Fast path vs quadratic reference, keyed by dtype: (forward, gradients).
 TOL = {jnp.float32: (2e-5, 1e-4), jnp.bfloat16: (2e-2, None)}
@@ -45,13 +45,15 @@ def _mask(b, t, seed=99):
 
 def _params(name, key, h=2, d=8, m=16):
     """Params moved off the init point (omega1 != omega2, tau != log(2 sqrt d)), so tests
-    see the generic non-stationary case."""
+    see the generic non-stationary case (omega2 moved by 0.3 N(0, I), i.e. its stored
+    ``omega2_tilde = omega2 / sqrt(d)`` by 0.3 / sqrt(d))."""
     p = la.get(name).init(key, num_heads=h, head_dim=d, num_features=m)
     if name == "flexformer_n":
         k1, k2 = jax.random.split(jax.random.fold_in(key, 1))
         p = {
-            "omega1": p["omega1"],
-            "omega2": p["omega2"] + 0.3 * jax.random.normal(k1, p["omega2"].shape),
+            "omega1_tilde": p["omega1_tilde"],
+            "omega2_tilde": p["omega2_tilde"]
+            + 0.3 / math.sqrt(d) * jax.random.normal(k1, p["omega2_tilde"].shape),
             "tau": p["tau"] + 0.2 * jax.random.normal(k2, p["tau"].shape),
         }
     return p
@@ -82,19 +84,19 @@ def test_kernel_unbiased_at_init(name, init_method):
     target = np.exp(np.sum(np.asarray(q * k), -1) / math.sqrt(d))[0, :, 0]  # [4]
     mech = la.get(name)
 
-    def estimates(key, freq_scale):
+    def estimates(key, factor):
         p = mech.init(key, num_heads=1, head_dim=d, num_features=m, init_method=init_method)
-        p = {key_: x * freq_scale if x.ndim == 3 else x for key_, x in p.items()}
+        p = {key_: x * factor if x.ndim == 3 else x for key_, x in p.items()}
         return jnp.diagonal(ff.kernel(q, k, p, qk_radius=None)[0, 0])  # pairs (q_i, k_i)
 
     keys = jax.random.split(jax.random.key(7), n)
     draws = jax.jit(jax.vmap(estimates, in_axes=(0, None)))
-    for freq_scale, unbiased in ((1.0, True), (1.2, False)):
-        e = np.asarray(draws(keys, freq_scale))
+    for factor, unbiased in ((1.0, True), (1.2, False)):
+        e = np.asarray(draws(keys, factor))
         mean, se = e.mean(0), e.std(0, ddof=1) / math.sqrt(n)
         z = (mean - target) / se
         print(
-            f"{name} {init_method} freq_scale={freq_scale}: target {np.round(target, 4)} "
+            f"{name} {init_method} frequencies x{factor}: target {np.round(target, 4)} "
             f"mean {np.round(mean, 4)} z {np.round(z, 2)}"
         )
         if unbiased:
@@ -112,13 +114,14 @@ def test_stabilised_features_give_kernel_weights(name):
     mask = _mask(2, 9)
     fmap = FMAP[name]
 
-    def trig(x):  # the bare trig features, written out independently
+    def trig(x):  # the bare trig features, written out independently (omega = sqrt(d) omega~)
         xh = x * 8**-0.25
+        c = math.sqrt(8)
         if name == "flexformer_s":
-            wx = jnp.einsum("bthd,hmd->bthm", xh, p["omega"])
+            wx = jnp.einsum("bthd,hmd->bthm", xh, c * p["omega_tilde"])
             return jnp.concatenate([jnp.cos(wx), jnp.sin(wx)], -1) / 4.0  # M = 16
-        w1 = jnp.einsum("bthd,hmd->bthm", xh, p["omega1"])
-        w2 = jnp.einsum("bthd,hmd->bthm", xh, p["omega2"])
+        w1 = jnp.einsum("bthd,hmd->bthm", xh, c * p["omega1_tilde"])
+        w2 = jnp.einsum("bthd,hmd->bthm", xh, c * p["omega2_tilde"])
         return jnp.concatenate([jnp.cos(w1) + jnp.cos(w2), jnp.sin(w1) + jnp.sin(w2)], -1) / 8.0
 
     @jax.jit
@@ -147,24 +150,36 @@ def test_init_shapes_and_values():
     h, d, m = 3, 8, 20
     ps = ff.init_s(jax.random.key(0), num_heads=h, head_dim=d, num_features=m)
     pn = ff.init_n(jax.random.key(0), num_heads=h, head_dim=d, num_features=m)
-    assert ps["omega"].shape == (h, m, d) and ps["omega"].dtype == jnp.float32
-    np.testing.assert_array_equal(pn["omega1"], ps["omega"])
+    assert set(ps) == {"omega_tilde", "log_scale"} and set(pn) == {
+        *FREQ_KEYS["flexformer_n"],
+        "tau",
+    }
+    assert ps["omega_tilde"].shape == (h, m, d) and ps["omega_tilde"].dtype == jnp.float32
+    # the frequencies omega = sqrt(d) omega~ are the N(0, 1) draw the seed's init makes
+    (omega,) = ff.frequencies(ps)
+    want = jax.random.normal(jax.random.key(0), (h, m, d))
+    np.testing.assert_allclose(omega, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ps["omega_tilde"], want / math.sqrt(d), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(pn["omega1_tilde"], ps["omega_tilde"])
     tied = ff.init_n(jax.random.key(0), num_heads=h, head_dim=d, num_features=m, pair_init="tied")
-    np.testing.assert_array_equal(tied["omega2"], ps["omega"])
+    np.testing.assert_array_equal(tied["omega2_tilde"], ps["omega_tilde"])
     indep = ff.init_n(
         jax.random.key(0), num_heads=h, head_dim=d, num_features=m, pair_init="independent"
     )
-    np.testing.assert_array_equal(indep["omega1"], ps["omega"])
-    assert float(jnp.max(jnp.abs(indep["omega2"] - ps["omega"]))) > 1.0
+    np.testing.assert_array_equal(indep["omega1_tilde"], ps["omega_tilde"])
+    assert float(jnp.max(jnp.abs(ff.frequencies(indep)[1] - omega))) > 1.0
     np.testing.assert_allclose(pn["tau"], np.full(h, math.log(2 * math.sqrt(d))), rtol=1e-6)
     assert ff.spectral_samples(ps).shape == (h, m, d)
     assert ff.spectral_samples(pn).shape == (h, 2 * m, d)
-    np.testing.assert_array_equal(ff.spectral_samples(pn)[:, m:], pn["omega2"])
+    np.testing.assert_array_equal(ff.spectral_samples(pn)[:, m:], ff.frequencies(pn)[1])
+    np.testing.assert_allclose(
+        ff.spectral_samples(pn)[:, m:], math.sqrt(d) * pn["omega2_tilde"], rtol=1e-6
+    )
     # Orthogonal init: rows inside a d-block are exactly orthogonal.
     po = ff.init_s(
         jax.random.key(0), num_heads=h, head_dim=d, num_features=m, init_method="orthogonal"
     )
-    block = po["omega"][:, :d]
+    block = po["omega_tilde"][:, :d]
     gram = jnp.einsum("hmd,hnd->hmn", block, block)
     off = gram * (1 - jnp.eye(d))[None]
     assert float(jnp.max(jnp.abs(off))) < 1e-4 * float(jnp.max(gram))
@@ -179,7 +194,7 @@ def test_n_equals_s_at_init(causal):
     s, n = la.get("flexformer_s"), la.get("flexformer_n")
     ps = s.init(jax.random.key(4), num_heads=2, head_dim=8, num_features=32)
     pn = n.init(jax.random.key(4), num_heads=2, head_dim=8, num_features=32, pair_init="tied")
-    np.testing.assert_array_equal(pn["omega1"], ps["omega"])
+    np.testing.assert_array_equal(pn["omega1_tilde"], ps["omega_tilde"])
     out_s = s.attention(q, k, v, ps, mask=mask, causal=causal, chunk_size=4)
     out_n = n.attention(q, k, v, pn, mask=mask, causal=causal, chunk_size=4)
     _close(out_n, out_s, 1e-5, "flexformer_n vs flexformer_s at init")
@@ -224,6 +239,54 @@ def test_temperature_scale(name, causal):
         e = jnp.exp(g)[None, None, :, None]
         ref = _jit(name, qk_radius=None)(e * q, e * k, v, p, mask=mask, causal=causal)
         _close(raw, ref, 1e-5, "raw map: the scale multiplies the inputs")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_frequency_parameterisation(name):
+    """Issue 55: the frequencies are stored as ``omega~ = omega / c``, ``c = sqrt(d)`` by
+    default (``freq_scale``). The kernel is a function of ``omega`` only: ``freq_scale=1`` (the
+    layout that stored ``omega`` itself) with the same ``omega`` gives the same attention, and
+    `from_direct_params` converts that layout (passing it unconverted is an error naming the
+    converter). Adam's first step moves every stored entry by ~lr, so it moves ``omega``
+    c times further under the default than under ``freq_scale=1``."""
+    d = 8
+    q, k, v = _inputs(jax.random.key(70), t=9, d=d)
+    mech, old = la.get(name), la.get(name).bind(freq_scale=1.0)
+    p = mech.init(jax.random.key(71), num_heads=2, head_dim=d, num_features=16)
+    p_old = old.init(jax.random.key(71), num_heads=2, head_dim=d, num_features=16)
+    omegas = ff.frequencies(p)
+    for key, w_old, w in zip(FREQ_KEYS[name], ff.frequencies(p_old, freq_scale=1.0), omegas):
+        np.testing.assert_allclose(p_old[key], w, rtol=1e-6, atol=1e-6)  # the same omega
+        np.testing.assert_array_equal(w_old, p_old[key])
+        np.testing.assert_allclose(p[key], w / math.sqrt(d), rtol=1e-6, atol=1e-7)
+    out = _jit(name)(q, k, v, p, causal=True, chunk_size=4)
+    out_old = _jit(name, freq_scale=1.0)(q, k, v, p_old, causal=True, chunk_size=4)
+    _close(out, out_old, 1e-5, "same omega, either storage")
+    direct_keys = ("omega",) if name == "flexformer_s" else ("omega1", "omega2")
+    direct = {k_: x for k_, x in p.items() if k_ not in FREQ_KEYS[name]}
+    direct.update(zip(direct_keys, omegas))
+    converted = ff.from_direct_params(direct)
+    assert set(converted) == set(p)
+    for key in FREQ_KEYS[name]:
+        np.testing.assert_allclose(converted[key], p[key], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="from_direct_params"):
+        mech.attention(q, k, v, direct)
+
+    def first_adam_move(m, params, fs):
+        loss = lambda p: jnp.sum(m.attention(q, k, v, p, causal=True) * v)  # noqa: E731
+        opt = optax.adam(1e-3)
+        upd, _ = opt.update(jax.grad(loss)(params), opt.init(params), params)
+        new = optax.apply_updates(params, upd)
+        before, after = ff.frequencies(params, freq_scale=fs), ff.frequencies(new, freq_scale=fs)
+        return sum(float(jnp.linalg.norm(a - b)) for a, b in zip(after, before, strict=True))
+
+    ratio = first_adam_move(mech, p, None) / first_adam_move(old, p_old, 1.0)
+    np.testing.assert_allclose(ratio, math.sqrt(d), rtol=1e-3)
+    for bad in (0.0, -1.0, "2"):
+        with pytest.raises(ValueError, match="freq_scale"):
+            mech.init(jax.random.key(0), num_heads=2, head_dim=d, freq_scale=bad)
+        with pytest.raises(ValueError, match="freq_scale"):
+            mech.attention(q, k, v, p, freq_scale=bad)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -618,8 +681,8 @@ def test_bad_config_and_inputs(name):
     if name == "flexformer_n":
         with pytest.raises(ValueError, match="tau"):
             mech.attention(q, k, v, {**p, "tau": jnp.zeros((3,))})
-        with pytest.raises(ValueError, match="omega2"):
-            mech.attention(q, k, v, {**p, "omega2": p["omega2"][:, :3]})
+        with pytest.raises(ValueError, match="omega2_tilde"):
+            mech.attention(q, k, v, {**p, "omega2_tilde": p["omega2_tilde"][:, :3]})
 
 
 def test_pair_symmetry_and_jitter():
@@ -634,20 +697,23 @@ def test_pair_symmetry_and_jitter():
     )
     p0 = init(pair_init="tied")
     g0 = grad(p0)
-    np.testing.assert_array_equal(np.asarray(g0["omega1"]), np.asarray(g0["omega2"]))
+    np.testing.assert_array_equal(np.asarray(g0["omega1_tilde"]), np.asarray(g0["omega2_tilde"]))
     jitter = ff.PAIR_JITTER
     p1 = init()  # the default
-    np.testing.assert_array_equal(p1["omega1"], p0["omega1"])
-    diff = np.asarray(p1["omega2"] - p1["omega1"]).ravel()  # 1024 draws
+    np.testing.assert_array_equal(p1["omega1_tilde"], p0["omega1_tilde"])
+    omega1, omega2 = ff.frequencies(p1)
+    diff = np.asarray(omega2 - omega1).ravel()  # 1024 draws
     se = jitter / math.sqrt(2 * (diff.size - 1))  # standard error of the sample std
     assert abs(diff.std(ddof=1) - jitter) < 4 * se and abs(diff.mean()) < 4 * jitter / 32
     g1 = grad(p1)
-    assert float(jnp.max(jnp.abs(g1["omega1"] - g1["omega2"]))) > 1e-2 * float(
-        jnp.max(jnp.abs(g1["omega1"]))
+    assert float(jnp.max(jnp.abs(g1["omega1_tilde"] - g1["omega2_tilde"]))) > 1e-2 * float(
+        jnp.max(jnp.abs(g1["omega1_tilde"]))
     )
     p2 = init(pair_jitter=0.05)
     np.testing.assert_allclose(
-        p2["omega2"] - p2["omega1"], 0.5 * (p1["omega2"] - p1["omega1"]), atol=1e-6
+        p2["omega2_tilde"] - p2["omega1_tilde"],
+        0.5 * (p1["omega2_tilde"] - p1["omega1_tilde"]),
+        atol=1e-6,
     )
     with pytest.raises(ValueError, match="pair_jitter"):
         mech.init(jax.random.key(0), num_heads=2, head_dim=8, pair_jitter=-0.1)
