@@ -70,3 +70,10 @@ def test_api_pages_cover_every_registered_mechanism():
 def test_api_pages_never_document_jax_triton():
     for page in (DOCS / "api").glob("*.md"):
         assert "jax_triton" not in re.sub(r"`[^`]*`", "", page.read_text()), page.name
+
+
+def test_readme_links_resolve():
+    # The README is read on GitHub, outside the site: its relative links must name files.
+    for target in re.findall(r"\]\(([^)#\s]+)", (ROOT / "README.md").read_text()):
+        if not target.startswith(("http://", "https://")):
+            assert (ROOT / target).exists(), f"README links to a missing {target}"
