@@ -238,7 +238,7 @@ axes[2].hist(np.linalg.norm(after, axis=-1).ravel(), bins=norms, alpha=0.6, labe
 axes[2].set_title("frequency norms |omega_m|")
 axes[2].legend()
 seps = [
-    np.linalg.norm(np.asarray(p["omega2"] - p["omega1"]), axis=-1).ravel()
+    np.linalg.norm(np.subtract(*flexformer.frequencies(p)[::-1]), axis=-1).ravel()
     for p in (params0, params)
 ]
 axes[3].hist(seps[0], bins=20, alpha=0.6, label="init (jitter)")
