@@ -114,6 +114,19 @@ of the old layout (``"omega"``, ``"omega1"``, ``"omega2"``, which are refused wi
 to it). The same ``freq_scale`` must be bound for init and attention (it is not recorded in
 the params).
 
+Features (issue 55, ``features="trig" | "positive"``; flexformer_s only). ``"positive"``
+replaces the trigonometric map by FAVOR+'s positive features of the learned frequencies,
+``phi+(y) = M^(-1/2) exp(Omega y - |y|^2 / 2)`` (`linattn_jax.performer.feature_map`, its
+relative eps included) with ``y = a x^`` the normalised, bandwidth- and temperature-scaled
+input as above: ``E[phi+(q) . phi+(k)] = exp(a^2 q^ . k^)`` at init, the same kernel as the
+trigonometric estimate, from the same params, with M features instead of 2M (for an equal
+feature budget give it twice the ``num_features``). Every weight is positive, so the
+denominator needs no floor: the map reports ``den_floor`` 0 whatever is bound (the floor
+would only shrink the rows of sharp positive kernels, whose dot products are far below the
+norm products). Stabiliser: the per-token max of the exponent (detached), for keys as
+``key_log_scale``, as performer does. flexformer_n keeps ``"trig"`` (its paired features are
+a trigonometric construction): another value is an error.
+
 Stabiliser. The norm factor ``exp(s(x))`` (``s = |x^|^2 / 2``, resp. ``|x|^2 /
 exp(tau)``) is never formed directly. For queries it is a per-token constant
 that cancels from the attention ratio, so it is dropped. For keys it is passed
@@ -160,13 +173,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from linattn_jax import _checks, core
+from linattn_jax import _checks, core, performer
 from linattn_jax.performer import orthogonal_features
 from linattn_jax.registry import Mechanism, register
 
 _f32 = jnp.float32
 _INIT_METHODS = ("gaussian", "orthogonal")
 _PAIR_INITS = ("jitter", "tied", "independent")
+FEATURES = ("trig", "positive")  # flexformer_s's feature kinds (module docstring, "Features")
 PAIR_JITTER = 0.1  # default flexformer_n pair jitter (see init_n)
 QK_RADIUS = 1.0  # default |q^| = |k^| before the map (module docstring, "Stability")
 DEN_FLOOR = 0.05  # default relative denominator floor (module docstring, "Stability")
@@ -408,7 +422,38 @@ def _parts(variant, x, params, radius=None, freq_scale=None):
     return s, core.heads_last(phi)
 
 
-def feature_map_s(x, params, *, is_query: bool, mask=None, qk_radius=QK_RADIUS, freq_scale=None):
+def _positive_parts(x, params, radius=None, freq_scale=None, *, stabilize=True):
+    """``(n, phi)``: FAVOR+ features of the learned frequencies (``features="positive"``,
+    flexformer_s only), heads last: ``phi [B, T, H, M]`` with ``exp(n) phi = M^(-1/2) exp(Omega
+    y - |y|^2 / 2)`` (plus performer's relative eps), ``y = a x^`` of the normalised (and
+    bandwidth-scaled) input, ``n [B, T, H]`` the detached per-token max (0 without
+    `stabilize`). ``E[exp(n_q + n_k) phi(q) . phi(k)] = exp(a^2 q^ . k^)`` at init, as the
+    trigonometric map's kernel estimate."""
+    x = _normalize(x, radius)
+    if "log_bandwidth" in params:
+        x = x * jnp.exp(params["log_bandwidth"].astype(_f32))[None, None]
+    a = jnp.exp(log_temperature_scale(params, x.shape[-1], qk_radius=radius))
+    (omega,) = frequencies(params, freq_scale=freq_scale)
+    phi, n = performer.feature_map(x * a[None, None, :, None], omega, stabilize=stabilize)
+    return n, phi
+
+
+def _check_features(name, features):
+    _checks.check_choice(name, "features", features, FEATURES)
+    if features != "trig" and name != "flexformer_s":
+        raise ValueError(f"{name}: features must be 'trig' (positive features are flexformer_s's)")
+
+
+def feature_map_s(
+    x,
+    params,
+    *,
+    is_query: bool,
+    mask=None,
+    qk_radius=QK_RADIUS,
+    freq_scale=None,
+    features="trig",
+):
     """Stabilised ``flexformer_s`` features ``[B, T, H, d] -> [B, T, H, 2M]`` float32.
 
     ``phi~(x) exp(-c)``: ``phi~`` as in the module docstring, c the detached
@@ -416,7 +461,14 @@ def feature_map_s(x, params, *, is_query: bool, mask=None, qk_radius=QK_RADIUS, 
     `mask` ``[B, T]`` is used for the key stabiliser only and zeroes masked keys).
     This is the non-causal stabilisation; causal attention uses the running max
     (module docstring), which gives the same normalised weights up to rounding.
+    ``features="positive"``: the FAVOR+ features of `_positive_parts` (``[B, T, H, M]``).
     """
+    _check_features("flexformer_s", features)
+    if features == "positive":
+        n, phi = _positive_parts(x, params, qk_radius, freq_scale)
+        if is_query:
+            return phi
+        return _stabilised_norm_factor(n[..., None], is_query=False, mask=mask) * phi
     s, phi = _parts("s", x, params, qk_radius, freq_scale)
     return _stabilised_norm_factor(s, is_query=is_query, mask=mask) * phi
 
@@ -464,15 +516,21 @@ def from_direct_params(params, *, freq_scale=None):
     return params
 
 
-def kernel(q, k, params, *, qk_radius=QK_RADIUS, freq_scale=None):
+def kernel(q, k, params, *, qk_radius=QK_RADIUS, freq_scale=None, features="trig"):
     """The unstabilised kernel estimate ``phi~(q_i) . phi~(k_j)`` as ``[B, H, Tq, Tk]`` float32.
 
     For inspection, plots and tests (the variant is read off the param names).
     ``q: [B, Tq, H, d]``, ``k: [B, Tk, H, d]``. At init its expectation over the
     frequencies is ``exp(q . k / sqrt d)``. Not stabilised: it overflows for
-    large norms, exactly as the kernel itself does.
+    large norms, exactly as the kernel itself does. ``features="positive"`` (flexformer_s):
+    the FAVOR+ estimate ``phi+(q_i) . phi+(k_j)``, positive.
     """
     variant = _variant(params)
+    if features != "trig":
+        _check_features("flexformer_" + variant, features)
+        pq = _positive_parts(q, params, qk_radius, freq_scale, stabilize=False)[1]
+        pk = _positive_parts(k, params, qk_radius, freq_scale, stabilize=False)[1]
+        return jnp.einsum("bihm,bjhm->bhij", pq, pk, precision=lax.Precision.HIGHEST)
     sq, pq = _parts(variant, q, params, qk_radius, freq_scale)
     sk, pk = _parts(variant, k, params, qk_radius, freq_scale)
     dots = jnp.einsum("bihm,bjhm->bhij", pq, pk, precision=lax.Precision.HIGHEST)
@@ -536,17 +594,32 @@ def _feature_map(variant):
 
     # the mass channel is appended heads first, so that the core's swap back to heads first
     # cancels `heads_last` and its split drops the channel again without a transpose
-    def query(q, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None):
+    name = "flexformer_" + variant
+
+    def query(
+        q, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None, features="trig"
+    ):
+        _check_features(name, features)
+        if features == "positive":  # heads last already; its per-token max cancels; no floor
+            return _positive_parts(q, params, qk_radius, freq_scale)[1]
         phi = _parts_heads_first(variant, q, params, qk_radius, freq_scale)[1]
         return core.heads_last(core.mass_channel(phi, is_query=True) if den_floor else phi)
 
-    def key(k, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None):
+    def key(
+        k, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None, features="trig"
+    ):
+        _check_features(name, features)
+        if features == "positive":  # the per-token max as the key's log scale; no floor
+            n, phi = _positive_parts(k, params, qk_radius, freq_scale)
+            return core.KeyFeatures(phi, n)
         s, phi = _parts_heads_first(variant, k, params, qk_radius, freq_scale)
         phi = core.mass_channel(phi, is_query=False) if den_floor else phi
         return core.KeyFeatures(core.heads_last(phi), s[..., 0])
 
-    def floor(*, den_floor=DEN_FLOOR):
-        return den_floor
+    def floor(*, den_floor=DEN_FLOOR, features="trig"):
+        # positive features have positive denominators: the floor (made for cancelling
+        # trigonometric sums) would only shrink the rows of sharp kernels
+        return 0.0 if features == "positive" else den_floor
 
     return core.FeatureMap(query_fn=query, key_fn=key, floor_fn=floor, token_wise=True)
 
@@ -579,6 +652,7 @@ def _attention_fn(name: str, *, quadratic: bool, doc: str):
         qk_radius=QK_RADIUS,
         den_floor=DEN_FLOOR,
         freq_scale=None,
+        features="trig",
     ):
         del rng, deterministic
         _checks.check_inputs(name, q, k, v, mask, causal=causal)
@@ -591,6 +665,7 @@ def _attention_fn(name: str, *, quadratic: bool, doc: str):
         _check_freqs(name, params, freq_keys, h, d, {_TEMP_KEY[variant]: (h,)})
         _check_map_config(name, qk_radius, den_floor)
         _check_freq_scale(name, freq_scale)
+        _check_features(name, features)
         params = dict(params)
         if not learn_frequencies:
             for key in freq_keys:
@@ -608,6 +683,7 @@ def _attention_fn(name: str, *, quadratic: bool, doc: str):
             qk_radius=qk_radius,
             den_floor=den_floor,
             freq_scale=freq_scale,
+            features=features,
         )
 
     fn_name = ("reference_" if quadratic else "attention_") + name[-1]
