@@ -1,168 +1,53 @@
-"""Flexformer: learnable spectral random Fourier features (seed 000).
+"""Flexformer: learnable spectral random Fourier features (seed 000), linear attention through
+the shared core (`core.attend_features`) with trigonometric features of the scaled inputs
+``x^ = x d^(-1/4)``. The math as implemented, the measurements behind every default and
+the departures from the paper are in docs/flexformer.md ("The mechanisms as implemented").
 
-Two mechanisms, both linear attention through the shared core (`core.attend`)
-with trigonometric features of the scaled inputs ``x^ = x d^(-1/4)``:
+``flexformer_s`` (stationary, Bochner): learnable frequencies ``Omega [H, M, d]`` (init
+``N(0, 1)``) and a per-head temperature ``a = exp(params["log_scale"])`` (init 1)::
 
-``flexformer_s`` (stationary, Bochner). Learnable frequencies ``Omega [H, M, d]``, stored as
-``params["omega_tilde"] = Omega / sqrt(d)`` ("Parameterisation" below), initialised ``Omega ~
-N(0, 1)``, and a learnable per-head temperature (``params["log_scale"] [H]``, init 0, see
-"Temperature" below)::
+    phi(x)  = M^(-1/2) [cos(Omega a x^); sin(Omega a x^)]          [2M features]
+    phi~(x) = exp(|a x^|^2 / 2) phi(x)
 
-    phi(x)  = M^(-1/2) [cos(Omega x^); sin(Omega x^)]                  [2M features]
-    phi~(x) = exp(|x|^2 / (2 sqrt d)) phi(x) = exp(|x^|^2 / 2) phi(x)
+so at init ``E[phi~(q) . phi~(k)] = exp(q^ . k^)``, the unbiased random-Fourier-feature
+estimator of the softmax kernel; training moves the spectral density.
 
-``phi(q) . phi(k) = M^-1 sum_m cos(omega_m . (q^ - k^))`` estimates the Gaussian
-kernel ``exp(-|q^ - k^|^2 / 2)`` (Bochner), so at init ``E[phi~(q) . phi~(k)] =
-exp(q^ . k^) = exp(q . k / sqrt d)``: the unbiased random-Fourier-feature
-estimator of the softmax kernel. Training moves the spectral density.
+``flexformer_n`` (non-stationary, Yaglom): frequency pairs ``Omega1, Omega2 [H, M, d]`` and a
+scale ``tau [H]`` (init ``log(2 sqrt d)``)::
 
-``flexformer_n`` (non-stationary, Yaglom). Learnable frequency pairs
-``Omega1, Omega2 [H, M, d]`` (stored as ``"omega1_tilde"``, ``"omega2_tilde"``, each ``Omega_p /
-sqrt(d)``) and a scale ``tau [H]`` (with
-``qk_radius`` set, tied to the temperature, "Temperature" below)::
-
-    phi_n(x) = (4M)^(-1/2) [cos(Omega1 x^) + cos(Omega2 x^); sin(Omega1 x^) + sin(Omega2 x^)]
+    phi_n(x) = (4M)^(-1/2) [cos(Omega1 y) + cos(Omega2 y); sin(Omega1 y) + sin(Omega2 y)]
     phi~(x)  = exp(|x|^2 / exp(tau)) phi_n(x)
 
-``phi_n(q) . phi_n(k) = (4M)^-1 sum_m sum_{a,b in {1,2}} cos(omega_a . q^ - omega_b . k^)``
-is an explicit inner product, hence a positive-definite kernel; it is
-non-stationary as soon as ``Omega1 != Omega2``. The seed gives only the form
-(frequency pairs and a learnable ``tau`` replacing ``2 sqrt d``), not the
-layout of the paired features: this sum-of-pairs layout is our construction.
-Init: ``tau = log(2 sqrt d)``, ``Omega1`` the ``flexformer_s`` draw and ``Omega2 =
-Omega1 + 0.1 N(0, I)`` (`init_n`, which says why the pair is jittered). Jitter 0.1 was
-chosen by measurement (d = 8, M = 16, six seeds): the attention error against softmax at
-init is that of the tied init (0.510 vs 0.512; 0.564 at jitter 0.3), and 30 Adam steps
-fitting a non-stationary target grow the shift-invariance gap (`shift_invariance_gap`)
-21-fold, from 3e-5 to 6e-4 (tied: 0).
+an explicit inner product, non-stationary once ``Omega1 != Omega2`` (init: ``Omega2 = Omega1 +
+0.1 N(0, I)``, `init_n`). The paper gives the form, not this sum-of-pairs layout (ours).
+With ``qk_radius`` set, ``tau`` is tied to the temperature, ``a^2 = 2 sqrt d / exp(tau)``.
 
-Stability (defaults ``qk_radius=1.0``, ``den_floor=0.05``). Trigonometric features
-estimate the Gaussian part ``exp(-|q^ - k^|^2 / 2)`` with an additive error of order
-``M^(-1/2)`` whatever its size, so once ``|q^|^2`` reaches a few units the kernel
-drowns in the error: denominators turn negative or tiny, outputs and gradients
-explode and training amplifies rounding. Measured by ``python -m
-train.bench_activations`` (docs/activations.md) on the q, k of the ListOps mini encoder,
-the ViT mini preset and the byte LM (M = 32; at init and after 200 steps, causal and
-non-causal, float32 and bfloat16 inputs): the raw map (``qk_radius=None``) makes 25 - 43%
-of the denominators negative at init and 31 - 44% after 200 steps. Two remedies, both
-defaults:
+Parameterisation: the frequencies are stored as ``omega_tilde = Omega / c`` (``"omega_tilde"``;
+``"omega1_tilde"``, ``"omega2_tilde"``), ``c = sqrt(d)`` by default (config ``freq_scale``,
+the same for init and attention), so the stored entries have the scale of the weights around
+them and Adam's relative steps on them are ``c`` times larger; ``Omega`` and the kernel at
+init are unchanged. `frequencies` returns ``Omega``; `from_direct_params` converts params
+that stored ``Omega`` itself (``"omega"``, ``"omega1"``, ``"omega2"``: refused otherwise).
 
-* ``qk_radius``: q and k are rescaled to ``|x^| = qk_radius`` (``|x| = qk_radius
-  d^(1/4)``) before the map. The mechanism then estimates the softmax kernel of the
-  normalised inputs, ``exp(qk_radius^2 cos(q, k))`` (times the learned temperature ``a^2``,
-  below), through the same features, and the
-  Gaussian part stays ``>= exp(-2 qk_radius^2)``, above the error at init: every
-  normalised weight row has l1 norm <= 1.53 at init on all three models (1 means no
-  cancellation). Cost: one norm per token (O(T d)); attention no longer sees the q, k
-  norms, so its sharpness comes from the learned temperature and frequency scale, and the
-  norm factor becomes a constant that cancels (which is why ``tau`` is tied to the
-  temperature, "Temperature" below).
-* ``den_floor`` (the core's relative denominator floor, `linattn_jax.core`): training
-  sharpens the kernels until their sums cancel, which ``qk_radius`` alone does not survive
-  (after 200 steps the worst weight row reaches l1 = 65 - 142 on the ViT, 868 - 6950 on
-  the LM). The floor raises ``|den_i|`` to at least ``den_floor |phi(q_i)| sum_j |phi(k_j)|``
-  (Cauchy-Schwarz; one extra feature column, the key-mass channel, the features' last when
-  ``den_floor > 0``), keeping its sign: every row's l1 norm is at most ``1 / den_floor =
-  20`` (measured <= 2.82 after 200 steps). Rows above the floor are unchanged bit for bit;
-  it is inactive at init (non-causal) and after 200 steps raises 0.3% of ListOps' causal
-  rows, 1.6 - 1.8% of the ViT's and 12% of the LM's (their weights then sum to less than
-  1), with a lower train loss (docs/activations.md). Cost: one column and an O(T) mass sum.
+Stability (defaults): ``qk_radius=1.0`` rescales q, k to ``|x^| = qk_radius`` before the map
+(the kernel is then ``exp(a^2 qk_radius^2 cos(q, k))``), and ``den_floor=0.05`` is the core's
+relative denominator floor (every weight row's l1 norm <= ``1 / den_floor``; rows above it
+unchanged bit for bit). ``qk_radius=None, den_floor=0`` is the seed's raw map. The norm
+factor is never formed: dropped for queries (it cancels), the core's detached
+``key_log_scale`` for keys (the running maximum when causal).
 
-Temperature (issue 35). Normalising q, k makes the norm term a constant, so without more
-the kernel's sharpness could only come from the frequencies' norms, which Adam grows by at
-most ~20% in a 500-step run (1.7% measured), and ``tau`` was dead (gradient 2.6e-5 of the
-frequencies'). Both variants therefore scale the normalised ``x^`` by a learnable per-head
-``a = exp(log a)`` before the map (features of ``a x^``, norm term ``exp(|a x^|^2 / 2)``), so
-the estimated kernel is ``exp(a^2 qk_radius^2 cos(q, k))``, a softmax of learnable
-temperature; log space makes each Adam step a relative change of ``a``.
+Options: ``features="positive"`` (flexformer_s only) uses FAVOR+'s positive features of the
+learned frequencies, ``M^(-1/2) exp(Omega y - |y|^2 / 2)`` (the same kernel at init, M
+features, no floor needed: every weight is positive); ``learn_frequencies=False`` freezes the
+frequencies (the fixed-kernel RFF estimator; the temperature stays learnable);
+``init_method="orthogonal"`` draws orthogonal blocks (`performer.orthogonal_features`);
+``pair_init`` / ``pair_jitter`` set ``Omega2`` (`init_n`); ``init_scale`` multiplies the
+draw; ``learn_bandwidth=True`` adds a per-dimension bandwidth ``params["log_bandwidth"]
+[H, d]``. Both mechanisms are deterministic: ``rng`` and ``deterministic`` are ignored.
 
-* ``flexformer_s``: ``log a = params["log_scale"]``, init 0. It applies with
-  ``qk_radius=None`` too (the raw map of ``a x``; at init exactly the seed's map).
-* ``flexformer_n``: ``tau`` is tied to the scale, no new parameter: ``a^2 = 2 sqrt d /
-  exp(tau)``, i.e. ``log a = (log(2 sqrt d) - tau) / 2`` (0 at the init ``tau = log(2 sqrt
-  d)``). This is the paper's own norm term: ``exp(|x|^2 / exp(tau)) = exp(|a x^|^2 / 2)``
-  for the normalised ``x``, and the tie makes the frequencies see the same scaled input, so
-  ``tau`` keeps the paper's meaning (the scale replacing ``2 sqrt d``) and now acts as the
-  kernel's temperature. With ``qk_radius=None`` the seed's raw map is kept as the paper
-  writes it: ``tau`` enters the norm term only.
-
-At init ``a = 1``: outputs are those of the map without the scale (tested); the scale gets a
-gradient of the frequencies' order. `log_temperature_scale` reads ``log a`` off the params.
-
-The main job's train loss after 30 steps agrees on one device, an (8, 1) and a (2, 4) mesh
-to 2.4e-7 (softmax's exactly). The seed applies the map to the raw inputs with the plain
-ratio; that form is ``qk_radius=None, den_floor=0`` (tau active, unstable at LRA
-activation sizes).
-
-Parameterisation (issue 55). The frequencies are stored as ``omega_tilde = Omega / c`` with a
-fixed ``c = sqrt(d)`` (``freq_scale``, a config key of init and attention alike; None means
-``sqrt(d)``), so the stored entries are ``N(0, 1 / d)``: the scale of the projections around
-them (``~ 1 / sqrt(fan_in)``), while ``Omega`` and hence the kernel at init are exactly
-those of the seed's ``N(0, 1)`` draw. Why: Adam moves every entry by about the learning rate
-whatever its scale, so frequencies stored as ``N(0, 1)`` entries moved ~8x less, relative to
-their size, than the weights around them (measured: 1.6% in 500 steps against 11-13% for the
-q / k projections), and the kernel barely learned. With ``c`` the relative step is ``c``
-times larger (``omega = c omega_tilde``); that is a learning-rate multiplier on the
-frequencies alone, which the trainer's ``mechanism_lr_mult`` (every mechanism param,
-``tau`` and ``log_scale`` included) is not: on ListOps mini (300 steps, 3 seeds,
-docs/flexformer.md "Parameterisation") ``c = sqrt(d) = 4`` moves the frequencies 3.6x
-further (``kernel/freq_move`` 0.043 vs 0.012) at an accuracy higher on every seed (val 30.7%
-vs 28.0% mean), whereas ``mechanism_lr_mult = 4`` on the old storage moves them as far
-(0.046) but loses accuracy (val 26.0%). ``freq_scale=1.0`` is the old storage (the stored
-entries are ``Omega``). `frequencies` returns ``Omega``; `from_direct_params` converts params
-of the old layout (``"omega"``, ``"omega1"``, ``"omega2"``, which are refused with a pointer
-to it). The same ``freq_scale`` must be bound for init and attention (it is not recorded in
-the params).
-
-Features (issue 55, ``features="trig" | "positive"``; flexformer_s only). ``"positive"``
-replaces the trigonometric map by FAVOR+'s positive features of the learned frequencies,
-``phi+(y) = M^(-1/2) exp(Omega y - |y|^2 / 2)`` (`linattn_jax.performer.feature_map`, its
-relative eps included) with ``y = a x^`` the normalised, bandwidth- and temperature-scaled
-input as above: ``E[phi+(q) . phi+(k)] = exp(a^2 q^ . k^)`` at init, the same kernel as the
-trigonometric estimate, from the same params, with M features instead of 2M (for an equal
-feature budget give it twice the ``num_features``). Every weight is positive, so the
-denominator needs no floor: the map reports ``den_floor`` 0 whatever is bound (the floor
-would only shrink the rows of sharp positive kernels, whose dot products are far below the
-norm products). Stabiliser: the per-token max of the exponent (detached), for keys as
-``key_log_scale``, as performer does. flexformer_n keeps ``"trig"`` (its paired features are
-a trigonometric construction): another value is an error.
-
-Stabiliser. The norm factor ``exp(s(x))`` (``s = |x^|^2 / 2``, resp. ``|x|^2 /
-exp(tau)``) is never formed directly. For queries it is a per-token constant
-that cancels from the attention ratio, so it is dropped. For keys it is passed
-to the shared core as ``key_log_scale``, which subtracts a detached maximum of
-s over the visible keys: all unmasked keys when non-causal, the running maximum
-``c_i = max_{j <= i} s_j`` when causal (so a large future key can never shrink
-earlier keys' factors, and no output depends on the future). The features can
-be negative, so the denominator is guarded (`core.guard_denominator`, with the floor above).
-
-Variance. Like every trigonometric RFF estimate of the softmax kernel, the estimate's
-variance grows like ``exp(|q^|^2 + |k^|^2)`` (the reason FAVOR+ uses positive features).
-
-Options: ``learn_frequencies=False`` (attention keyword, and the same keyword of
-`Mechanism.fixed_params`) freezes the frequencies -- ``stop_gradient`` in the
-attention and reported as non-trainable, so optimisers and weight decay leave
-them alone: this is the fixed-kernel RFF softmax estimator the seed compares
-against (the temperature, ``log_scale`` / ``tau``, stays learnable).
-``init_method="orthogonal"`` draws the frequencies as stacked
-orthogonal blocks with chi-distributed row norms
-(`linattn_jax.performer.orthogonal_features`), still marginally ``N(0, I)`` per
-row, so the estimator stays unbiased with lower variance. ``pair_init``
-and ``pair_jitter`` (``flexformer_n`` init only; default ``"jitter"`` with 0.1, the
-init above) set ``omega2``: ``"tied"`` is the exact ``flexformer_s`` init, which
-gradient training never leaves (the features are symmetric in ``omega1 <->
-omega2``), ``"independent"`` a second draw (see `init_n`). Init-only options of issue 35's
-ablation (docs/flexformer.md): ``init_scale`` multiplies the drawn frequencies (a sharper
-kernel at init, ``exp(-init_scale^2 |q^ - k^|^2 / 2)``); ``learn_bandwidth=True`` adds a
-learned per-dimension bandwidth ``params["log_bandwidth"] [H, d]`` (init 0): the map of
-``b * x`` (after ``qk_radius``, norm term included) with ``b = exp(log_bandwidth)``, i.e.
-frequencies ``Omega diag(b)`` and a kernel with a learned diagonal metric.
-
-Both are deterministic (``stochastic=False``): ``rng`` and ``deterministic`` are
-ignored. Public helpers: `feature_map_s` / `feature_map_n` (the stabilised
-features, e.g. for `core.normalized_weights` in distillation), `kernel` (the
-unstabilised estimate ``phi~(q) . phi~(k)``), `frequencies` and `spectral_samples` (the
-learned frequencies ``Omega``, not the stored ``Omega / c``), for inspection and plots.
+Helpers for inspection and distillation: `feature_map_s` / `feature_map_n` (the stabilised
+features), `kernel` (the unstabilised estimate), `trig_kernel`, `shift_invariance_gap`,
+`frequencies`, `spectral_samples`, `log_temperature_scale`.
 """
 
 from __future__ import annotations
@@ -180,7 +65,7 @@ from linattn_jax.registry import Mechanism, register
 _f32 = jnp.float32
 _INIT_METHODS = ("gaussian", "orthogonal")
 _PAIR_INITS = ("jitter", "tied", "independent")
-FEATURES = ("trig", "positive")  # flexformer_s's feature kinds (module docstring, "Features")
+FEATURES = ("trig", "positive")  # flexformer_s's feature kinds (module docstring, "Options")
 PAIR_JITTER = 0.1  # default flexformer_n pair jitter (see init_n)
 QK_RADIUS = 1.0  # default |q^| = |k^| before the map (module docstring, "Stability")
 DEN_FLOOR = 0.05  # default relative denominator floor (module docstring, "Stability")
@@ -633,88 +518,92 @@ def _check_map_config(name, radius, den_floor):
     _checks.check_float(name, "den_floor", den_floor, lambda x: 0 <= x < 1, "a float in [0, 1)")
 
 
-def _attention_fn(name: str, *, quadratic: bool, doc: str):
-    """One public attention function of `name` (the linear form, or with `quadratic` the
-    naive one); the registry reads its keyword-only config from this explicit signature."""
-
-    def attention(
-        q,
-        k,
-        v,
-        params,
-        rng=None,
-        *,
-        mask=None,
-        causal=False,
-        deterministic=False,
-        chunk_size=64,
-        learn_frequencies=True,
-        qk_radius=QK_RADIUS,
-        den_floor=DEN_FLOOR,
-        freq_scale=None,
-        features="trig",
-    ):
-        del rng, deterministic
-        _checks.check_inputs(name, q, k, v, mask, causal=causal)
-        _checks.check_positive(name, chunk_size=chunk_size)
-        h, d = q.shape[2], q.shape[3]
-        variant = name[-1]
-        freq_keys = FREQ_KEYS[variant]
-        if set(params) & set(_DIRECT_KEYS[variant]):
-            _variant(params)  # the older layout: a clear error
-        _check_freqs(name, params, freq_keys, h, d, {_TEMP_KEY[variant]: (h,)})
-        _check_map_config(name, qk_radius, den_floor)
-        _check_freq_scale(name, freq_scale)
-        _check_features(name, features)
-        params = dict(params)
-        if not learn_frequencies:
-            for key in freq_keys:
-                params[key] = lax.stop_gradient(params[key])
-        return core.attend_features(
-            FEATURE_MAPS[name],
-            q,
-            k,
-            v,
-            params,
-            mask=mask,
-            causal=causal,
-            chunk_size=chunk_size,
-            quadratic=quadratic,
-            qk_radius=qk_radius,
-            den_floor=den_floor,
-            freq_scale=freq_scale,
-            features=features,
-        )
-
-    fn_name = ("reference_" if quadratic else "attention_") + name[-1]
-    attention.__name__ = attention.__qualname__ = fn_name
-    attention.__doc__ = doc
-    return attention
+def _attend(name, quadratic, q, k, v, params, mask, causal, chunk_size, config):
+    """The body of `attention_s`, `reference_s`, `attention_n` and `reference_n` (`config`:
+    learn_frequencies, qk_radius, den_floor, freq_scale, features)."""
+    _checks.check_inputs(name, q, k, v, mask, causal=causal)
+    _checks.check_positive(name, chunk_size=chunk_size)
+    h, d = q.shape[2], q.shape[3]
+    variant = name[-1]
+    freq_keys = FREQ_KEYS[variant]
+    if isinstance(params, dict) and set(params) & set(_DIRECT_KEYS[variant]):
+        _variant(params)  # the older layout: a clear error
+    _check_freqs(name, params, freq_keys, h, d, {_TEMP_KEY[variant]: (h,)})
+    learn_frequencies = config.pop("learn_frequencies")
+    _check_map_config(name, config["qk_radius"], config["den_floor"])
+    _check_freq_scale(name, config["freq_scale"])
+    _check_features(name, config["features"])
+    params = dict(params)
+    if not learn_frequencies:
+        for key in freq_keys:
+            params[key] = lax.stop_gradient(params[key])
+    return core.attend_features(
+        FEATURE_MAPS[name], q, k, v, params, mask=mask, causal=causal, chunk_size=chunk_size,
+        quadratic=quadratic, **config,
+    )  # fmt: skip
 
 
-attention_s = _attention_fn(
-    "flexformer_s",
-    quadratic=False,
-    doc="""``flexformer_s`` attention ``[B, Tq, H, Dv]``; `rng` and `deterministic` are unused.
+def attention_s(
+    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64,
+    learn_frequencies=True, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None,
+    features="trig",
+):  # fmt: skip
+    """``flexformer_s`` attention ``[B, Tq, H, Dv]``; `rng` and `deterministic` are unused.
 
     ``out_i = phi~(q_i)^T S / phi~(q_i)^T z`` with ``S = sum_j phi~(k_j) v_j^T``,
     ``z = sum_j phi~(k_j)`` over unmasked keys (``j <= i`` when causal, chunked
     with `chunk_size`). ``learn_frequencies=False`` stops gradients to ``omega_tilde``.
-    """,
-)
-reference_s = _attention_fn(
-    "flexformer_s", quadratic=True, doc="The naive quadratic form of `attention_s` (same features)."
-)
-attention_n = _attention_fn(
-    "flexformer_n",
-    quadratic=False,
-    doc="""``flexformer_n`` attention ``[B, Tq, H, Dv]``; as `attention_s` with the paired
+    """
+    del rng, deterministic
+    config = dict(
+        learn_frequencies=learn_frequencies, qk_radius=qk_radius, den_floor=den_floor,
+        freq_scale=freq_scale, features=features,
+    )  # fmt: skip
+    return _attend("flexformer_s", False, q, k, v, params, mask, causal, chunk_size, config)
+
+
+def reference_s(
+    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64,
+    learn_frequencies=True, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None,
+    features="trig",
+):  # fmt: skip
+    """The naive quadratic form of `attention_s` (same features)."""
+    del rng, deterministic
+    config = dict(
+        learn_frequencies=learn_frequencies, qk_radius=qk_radius, den_floor=den_floor,
+        freq_scale=freq_scale, features=features,
+    )  # fmt: skip
+    return _attend("flexformer_s", True, q, k, v, params, mask, causal, chunk_size, config)
+
+
+def attention_n(
+    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64,
+    learn_frequencies=True, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None,
+    features="trig",
+):  # fmt: skip
+    """``flexformer_n`` attention ``[B, Tq, H, Dv]``; as `attention_s` with the paired
     features. ``learn_frequencies=False`` stops gradients to ``omega1_tilde``,
-    ``omega2_tilde`` (``tau`` stays learnable).""",
-)
-reference_n = _attention_fn(
-    "flexformer_n", quadratic=True, doc="The naive quadratic form of `attention_n` (same features)."
-)
+    ``omega2_tilde`` (``tau`` stays learnable)."""
+    del rng, deterministic
+    config = dict(
+        learn_frequencies=learn_frequencies, qk_radius=qk_radius, den_floor=den_floor,
+        freq_scale=freq_scale, features=features,
+    )  # fmt: skip
+    return _attend("flexformer_n", False, q, k, v, params, mask, causal, chunk_size, config)
+
+
+def reference_n(
+    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64,
+    learn_frequencies=True, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None,
+    features="trig",
+):  # fmt: skip
+    """The naive quadratic form of `attention_n` (same features)."""
+    del rng, deterministic
+    config = dict(
+        learn_frequencies=learn_frequencies, qk_radius=qk_radius, den_floor=den_floor,
+        freq_scale=freq_scale, features=features,
+    )  # fmt: skip
+    return _attend("flexformer_n", True, q, k, v, params, mask, causal, chunk_size, config)
 
 
 def _params_config(params, freq_key):

@@ -87,7 +87,7 @@ def test_capture_returns_q_k_v_and_params_of_every_call():
     p = variables["params"]["MultiHeadAttention_0"]
     for cap in caps:
         assert cap.q.shape == cap.k.shape == cap.v.shape == (1, 10, 2, 4)
-        np.testing.assert_array_equal(cap.params["omega"], p["mechanism"]["omega"])
+        np.testing.assert_array_equal(cap.params["omega_tilde"], p["mechanism"]["omega_tilde"])
     want_v0 = jnp.einsum("btf,fhd->bthd", x, p["value"]["kernel"]) + p["value"]["bias"][None, None]
     np.testing.assert_allclose(caps[0].v, want_v0, rtol=1e-5, atol=1e-6)
     assert not np.allclose(caps[0].v, caps[1].v)  # the second call's values, not the first's

@@ -370,7 +370,8 @@ def test_feature_map_files_check_the_student(tmp_path):
     loaded, info = distill.load_feature_maps(tmp_path / "m.msgpack")
     assert info == {"student": "flexformer_s"}
     np.testing.assert_array_equal(
-        loaded[("block_0", "attention")]["omega"], maps[("block_0", "attention")]["omega"]
+        loaded[("block_0", "attention")]["omega_tilde"],
+        maps[("block_0", "attention")]["omega_tilde"],
     )
     state = trainer_lib.TrainState(step=0, params=variables["params"], extra={}, opt_state=None)
     distill.check_maps_fit(loaded, state, "flexformer_s")

@@ -243,7 +243,7 @@ def test_temperature_scale(name, causal):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_frequency_parameterisation(name):
-    """Issue 55: the frequencies are stored as ``omega~ = omega / c``, ``c = sqrt(d)`` by
+    """The frequencies are stored as ``omega~ = omega / c``, ``c = sqrt(d)`` by
     default (``freq_scale``). The kernel is a function of ``omega`` only: ``freq_scale=1`` (the
     layout that stored ``omega`` itself) with the same ``omega`` gives the same attention, and
     `from_direct_params` converts that layout (passing it unconverted is an error naming the
@@ -292,7 +292,7 @@ def test_frequency_parameterisation(name):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_init_scale_and_learned_bandwidth(name, causal):
-    """Issue 35's init-only options. ``init_scale`` multiplies the default draw (same rng).
+    """The init-only options. ``init_scale`` multiplies the default draw (same rng).
     ``learn_bandwidth`` adds ``log_bandwidth [H, d]`` = 0, outputs unchanged at init; moved
     to ``log b``, the attention is the raw map of the normalised inputs times ``b`` (the
     norm term included), and ``log_bandwidth`` gets a gradient (linear == reference)."""
@@ -785,7 +785,7 @@ def _mesh_losses(attention, steps=8, **attention_config):
 def test_training_is_reproducible_across_meshes():
     """Sharding only reorders float32 sums. flexformer_n with its default features keeps the
     resulting loss differences at rounding level over 8 steps at lr 1e-2, as softmax does
-    (issue 19: the raw map, qk_radius=None, amplified them to 4% of the ListOps loss in 30
+    (the raw map, qk_radius=None, amplified them to 4% of the ListOps loss in 30
     steps, against 0 for softmax)."""
     assert jax.device_count() >= 8, "conftest fakes 8 CPU devices"
     runs = _mesh_losses("flexformer_n", num_features=16)

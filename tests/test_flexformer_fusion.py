@@ -1,4 +1,4 @@
-"""flexformer's compiled program (issue 36): the trigonometric features of each projection
+"""flexformer's compiled program: the trigonometric features of each projection
 in one XLA fusion, forward and backward (`core.cos_sin`)."""
 
 from __future__ import annotations

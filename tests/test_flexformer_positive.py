@@ -1,4 +1,4 @@
-"""flexformer_s with positive spectral features (``features="positive"``, issue 55 item 2):
+"""flexformer_s with positive spectral features (``features="positive"``):
 FAVOR+'s ``exp(Omega y - |y|^2 / 2)`` with the learned frequencies ``Omega``."""
 
 from __future__ import annotations

@@ -44,11 +44,19 @@ ENTRY_POINTS = {
 }
 
 #: Files over the line limit that other issues own, with why (agreed exceptions only).
-LONG_FILE_EXCEPTIONS: dict[str, str] = {}
+LONG_FILE_EXCEPTIONS: dict[str, str] = {
+    "linattn_jax/flexformer.py": "two mechanisms x two feature kinds, their four public entry "
+    "points and the kernel-inspection helpers (kernel, trig_kernel, shift_invariance_gap, "
+    "spectral_samples); the helpers are the part to move to a module of their own",
+}
 
 #: Modules that read mechanism internals beyond ``la.get`` / ``la.core`` / ``la.linen``
 #: (agreed exceptions only): module -> the linattn_jax submodules it imports.
-LINATTN_EXCEPTIONS: dict[str, set[str]] = {}
+LINATTN_EXCEPTIONS: dict[str, set[str]] = {
+    # the kernel-recovery benchmark reads the learned frequencies and temperature
+    # (flexformer.spectral_samples, log_temperature_scale), which the record does not carry
+    "train/bench/kernel_fit.py": {"linattn_jax.flexformer"},
+}
 
 #: ``train.configs`` modules that may import one named ``train`` module (agreed exceptions).
 CONFIG_IMPORT_EXCEPTIONS: dict[str, set[str]] = {}
@@ -387,3 +395,26 @@ def test_every_mechanism_and_kernel_module_has_its_test_file():
     modules |= {"l1_distance", "newton_schulz"}
     missing = sorted(m for m in modules if not (ROOT / "tests" / f"test_{m}.py").exists())
     assert not missing, f"modules without tests/test_<module>.py: {missing}"
+
+
+def test_registered_functions_are_the_functions_users_read():
+    """A record's functions are plain ``def`` s of their module, under their own names (no
+    wrapper rewriting ``__name__`` / ``__doc__`` or the signature): what ``inspect``, an IDE
+    and grep show is what the registry calls."""
+    import inspect
+    import sys
+
+    bad = []
+    for name in la.names():
+        mech = la.get(name)
+        for field in ("init_fn", "attention_fn", "reference_fn", "flax_fn"):
+            fn = getattr(mech, field)
+            if fn is None:
+                continue
+            module = sys.modules[fn.__module__]
+            source = inspect.getsource(fn).lstrip()
+            if getattr(module, fn.__qualname__, None) is not fn or not source.startswith(
+                f"def {fn.__name__}("
+            ):
+                bad.append(f"{name}.{field} = {fn.__module__}.{fn.__qualname__}")
+    assert not bad, "registered functions that are not their module's def:\n" + "\n".join(bad)

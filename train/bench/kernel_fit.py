@@ -23,7 +23,7 @@ seeds; each seed redraws the init and the data, the target ``W`` is fixed). The 
 predicts the order flexformer_n < flexformer_s < performer (strictly larger kernel families
 fit better).
 
-Kernel recovery (``--target subspace``, `fit_subspace`; issue 55): can the learnable
+Kernel recovery (``--target subspace``, `fit_subspace`): can the learnable
 frequencies find a kernel the init is far from? Target weights on unit ``q, k`` in ``d =
 16``::
 
@@ -433,7 +433,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("warp", "subspace"),
         default="warp",
         help="warp: the non-stationary exp(q^ . W k^) target (the flags above); subspace: the "
-        "kernel-recovery target exp(3 Pq . Pk) on a 4-d subspace of d = 16 (issue 55; fixed "
+        "kernel-recovery target exp(3 Pq . Pk) on a 4-d subspace of d = 16 (fixed "
         "config, --steps / --seeds apply: default 1500 steps there when --steps is not given)",
     )
 
