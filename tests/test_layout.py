@@ -418,3 +418,22 @@ def test_registered_functions_are_the_functions_users_read():
             ):
                 bad.append(f"{name}.{field} = {fn.__module__}.{fn.__qualname__}")
     assert not bad, "registered functions that are not their module's def:\n" + "\n".join(bad)
+
+
+MAX_DOCSTRING_LINES = 80
+
+
+def test_docstrings_are_specifications_not_notebooks():
+    """No docstring in the library or the training stack is over `MAX_DOCSTRING_LINES`
+    lines: measurements and their history belong in docs/, with the commands behind them."""
+    bad = []
+    for path in _package_files():
+        tree = ast.parse(path.read_text())
+        nodes = [tree] + [
+            n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.ClassDef)
+        ]
+        for node in nodes:
+            doc = ast.get_docstring(node, clean=False)
+            if doc and doc.count("\n") + 1 > MAX_DOCSTRING_LINES:
+                bad.append(f"{_rel(path)}:{getattr(node, 'name', '<module>')}")
+    assert not bad, f"docstrings over {MAX_DOCSTRING_LINES} lines: {bad}"
