@@ -4,12 +4,12 @@ Each claim is one small experiment (`Claim`), registered under a key such as
 ``flexformer.init_rate``. Running a claim gives a `Finding`: the numbers (markdown), a
 verdict from `VERDICTS` and why, i.e. what the verdict rests on and what would change it.
 Findings are kept as JSON in ``<findings>/<key>.json`` (by default ``docs/claims/``, tracked
-by git, so findings from different sessions merge and a fresh clone rebuilds the report) with
+by git, so findings from different runs of it merge and a fresh clone rebuilds the report) with
 the settings, the commit and the time they took, so the report can be built in parts
 (``--only``, ``--kind``) and merged; a kept finding is reused while its settings match.
 Training runs go under ``<workdir>`` (not tracked); each finished run's key and summary are
 kept in the ledger, ``<findings>/ledger/`` (tracked, `Settings.kept`), so a fresh clone
-reads what earlier sessions trained. `report` writes the markdown of
+reads what earlier runs trained. `report` writes the markdown of
 docs/claims.md from whatever findings are kept; a claim not run yet is listed with the
 command that runs it. The verdicts are computed by the experiments, never typed in.
 
@@ -88,7 +88,7 @@ class Settings:
         """Where the ledger keeps the run in `run_dir` (a directory under `workdir`): its key
         and summary under ``<findings>/ledger/`` at the same relative path
         (`train.claims.cache.keep`), tracked by git, so that a fresh clone reads the runs
-        that earlier sessions finished instead of training them again (a run is read only
+        that earlier invocations finished instead of training them again (a run is read only
         under its key: the same config and code version). None with `quick`: tiny runs are
         never kept."""
         if self.quick:
