@@ -71,7 +71,8 @@ _f32 = jnp.float32
 
 #: Non-causal mechanisms whose sums over the sequence take a mesh axis, by the attention
 #: function their record carries (so a renamed copy of a record is the same mechanism
-#: here): the private core each public function wraps (called with keywords and ``axis``).
+#: here): the computation behind each public function (its ``*_body``, called with
+#: ``axis``).
 _REDUCING = {
     nystromformer.NYSTROMFORMER.attention_fn: nystromformer.nystromformer_body,
     soft.SOFT.attention_fn: soft.soft_body,

@@ -115,17 +115,19 @@ def _imports(path: Path):
             yield _resolve(path, node), [a.name for a in node.names], node
 
 
+def _is_repo_module(dotted: str) -> bool:
+    """Whether `dotted` names a module or package of this repository."""
+    candidate = ROOT / Path(*dotted.split("."))
+    return candidate.with_suffix(".py").exists() or (candidate / "__init__.py").exists()
+
+
 def _imported_modules(path: Path) -> set[str]:
     """Every module `path` imports (``from pkg import sub`` counts ``pkg.sub`` when it is a
     module of this repository)."""
     out = set()
     for module, names, _ in _imports(path):
         out.add(module)
-        for n in names:
-            sub = f"{module}.{n}"
-            candidate = ROOT / Path(*sub.split("."))
-            if candidate.with_suffix(".py").exists() or (candidate / "__init__.py").exists():
-                out.add(sub)
+        out.update(f"{module}.{n}" for n in names if _is_repo_module(f"{module}.{n}"))
     return out
 
 
@@ -149,10 +151,8 @@ def _bound_modules(path: Path) -> dict[str, str]:
         elif isinstance(node, ast.ImportFrom):
             base = _resolve(path, node)
             for a in node.names:
-                sub = f"{base}.{a.name}"
-                candidate = ROOT / Path(*sub.split("."))
-                if candidate.with_suffix(".py").exists() or (candidate / "__init__.py").exists():
-                    out[a.asname or a.name] = sub
+                if _is_repo_module(f"{base}.{a.name}"):
+                    out[a.asname or a.name] = f"{base}.{a.name}"
     return out
 
 
@@ -175,6 +175,19 @@ def test_configs_are_data():
     assert not bad, "configs must be data only:\n" + "\n".join(bad)
 
 
+def _private_attribute_reads(path: Path) -> list[str]:
+    """``m._name`` reads in `path` of a module `m` it imports, as failure lines."""
+    modules = _bound_modules(path)
+    return [
+        f"{_rel(path)}:{node.lineno} reads {modules[node.value.id]}.{node.attr}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in modules
+        and _private(node.attr)
+    ]
+
+
 def test_no_private_names_across_modules():
     bad = []
     for path in _files():
@@ -184,15 +197,7 @@ def test_no_private_names_across_modules():
             for n in names:
                 if _private(n):
                     bad.append(f"{_rel(path)}:{node.lineno} imports {module}.{n}")
-        modules = _bound_modules(path)
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id in modules
-                and _private(node.attr)
-            ):
-                bad.append(f"{_rel(path)}:{node.lineno} reads {modules[node.value.id]}.{node.attr}")
+        bad += _private_attribute_reads(path)
     assert not bad, "no module may use another module's underscore names:\n" + "\n".join(bad)
 
 
@@ -210,19 +215,9 @@ def test_no_private_names_across_library_modules():
             if any(_private(part) for part in module.split(".")) and not inside:
                 bad.append(f"{_rel(path)}:{node.lineno} imports private module {module}")
             for n in names:
-                sub = ROOT / Path(*f"{module}.{n}".split("."))
-                is_module = sub.with_suffix(".py").exists() or (sub / "__init__.py").exists()
-                if _private(n) and not (is_module and inside):
+                if _private(n) and not (_is_repo_module(f"{module}.{n}") and inside):
                     bad.append(f"{_rel(path)}:{node.lineno} imports {module}.{n}")
-        modules = _bound_modules(path)
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id in modules
-                and _private(node.attr)
-            ):
-                bad.append(f"{_rel(path)}:{node.lineno} reads {modules[node.value.id]}.{node.attr}")
+        bad += _private_attribute_reads(path)
     assert not bad, "no module may use another module's underscore names:\n" + "\n".join(bad)
 
 
