@@ -454,8 +454,10 @@ def laplace_kernel(
       lam: bandwidth > 0 (not checked: traced values can't be), shape ``[]`` (shared), ``[H]``
         (per head, broadcast over the batch), ``[B, H]`` (or broadcastable, e.g. ``[1, H]``) or
         ``[B, H, 1, 1]``.
-      impl, interpret, block_sizes: as `l1_distance`. On the Pallas path the exponential is
-        fused into the distance kernel.
+      impl: as `l1_distance`. On the Pallas path the exponential is fused into the distance
+        kernel.
+      interpret: as `l1_distance`.
+      block_sizes: as `l1_distance`.
 
     Returns:
       ``[B, H, N, M]`` float32; differentiable in x, y and lam.

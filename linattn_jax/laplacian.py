@@ -302,8 +302,9 @@ def laplacian_attention(
       local_window: w, the local branch's window (odd; 0 = off).
       shared_landmarks: A and C_k from the key landmarks on both sides (symmetric A; the
         default, see the module docstring) or, when False, query landmarks on the left.
-      impl, interpret: passed to `kernels.laplace_kernel` (the Laplace kernel; the Gaussian
-        one is plain jnp) and `kernels.newton_schulz_inverse`.
+      impl: passed to `kernels.laplace_kernel` (the Laplace kernel; the Gaussian one is
+        plain jnp) and `kernels.newton_schulz_inverse`.
+      interpret: passed to the same kernels as `impl`.
     """
     del rng, deterministic
     out = laplacian_body(

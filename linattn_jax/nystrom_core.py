@@ -227,6 +227,9 @@ def nystrom(
       mask: optional ``[B, Tk]`` key-padding mask (also the query mask when Tq == Tk).
       kappa: ``kappa(x, y, col_valid) -> [B, H, N, M]``.
       invert: ``[B, H, L, L] -> [B, H, L, L]`` (pseudo-)inverse.
+      num_landmarks: m, the requested number of landmarks (`landmarks.num_landmarks`).
+      grid: optional ``(h, w)``: the last ``h * w`` tokens are an image (2-D landmarks and
+        local branch).
       normalize: ``"none"``, ``"row"`` or ``"injective"``.
       output: ``"linear"`` (the O(T m) path), ``"reference"`` (materialised
         ``Tq x Tk``) or ``"weights"`` (the effective weights ``[B, H, Tq, Tk]``).

@@ -90,7 +90,9 @@ def ra_attention(
     unbiased estimator's keeps falling at the Monte-Carlo rate.
 
     Args:
-      q: ``[B, Tq, H, Dk]``; k: ``[B, Tk, H, Dk]``; v: ``[B, Tk, H, Dv]``.
+      q: ``[B, Tq, H, Dk]``.
+      k: ``[B, Tk, H, Dk]``.
+      v: ``[B, Tk, H, Dv]``.
       params: ``{}``.
       rng: a `jax.random.key` (needed unless deterministic).
       mask: ``[B, Tk]`` bool key padding (True = attend).

@@ -137,7 +137,8 @@ def soft_attention(
       tie_qk: ``"auto"`` (default): evaluate the key side of the kernel on q (SOFT)
         when ``Tq == Tk``, on k otherwise; ``True``: always on q (needs Tq == Tk);
         ``False``: always on k.
-      impl, interpret: passed to `kernels.newton_schulz_inverse`.
+      impl: passed to `kernels.newton_schulz_inverse`.
+      interpret: passed to `kernels.newton_schulz_inverse`.
     """
     del params, rng, deterministic
     out = soft_body(

@@ -1,5 +1,6 @@
 """The docs site builds with `mkdocs build --strict`: every page in mkdocs.yml's nav exists,
-every link between pages resolves, and the API pages' `::: module` entries are found."""
+every link between pages resolves, the API pages' `::: module` entries are found, and griffe
+parses every rendered docstring without a warning."""
 
 import os
 import pathlib
@@ -30,18 +31,35 @@ def _mkdocs_available() -> bool:
 )
 def test_mkdocs_build_strict(tmp_path):
     site = tmp_path / "site"
+    # No --quiet: it drops WARNING records before strict mode counts them.
     run = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-d", str(site)],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1", "NO_COLOR": "1"},
     )
-    assert run.returncode == 0, run.stdout + run.stderr
+    log = re.sub(r"\x1b\[[0-9;]*m", "", run.stdout + run.stderr)
+    assert run.returncode == 0, log
+    warnings = [line for line in log.splitlines() if re.match(r"\s*(WARNING|ERROR)\b", line)]
+    assert not warnings, "\n".join(warnings)
     assert (site / "index.html").exists()
     assert (site / "api" / "mechanisms" / "index.html").exists()
     shutil.rmtree(site)
+
+
+@pytest.mark.skipif(not _mkdocs_available(), reason="mkdocs is not installed")
+def test_griffe_docstring_warnings_are_on():
+    # With strict, a griffe warning (a parameter entry naming two parameters, a parameter
+    # not in the signature, a confusing indentation) fails the build, unless it is silenced.
+    import yaml
+
+    plugins = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["plugins"]
+    (handler,) = [p["mkdocstrings"] for p in plugins if isinstance(p, dict) and "mkdocstrings" in p]
+    options = handler["handlers"]["python"]["options"].get("docstring_options", {})
+    assert options.get("warnings", True) is True, options
+    assert options.get("warn_unknown_params", True) is True, options
 
 
 def test_every_page_is_in_the_nav():

@@ -56,13 +56,15 @@ def parser(
     """An ``ArgumentParser`` with the shared training flags.
 
     Args:
-      prog, description: as for ``argparse``.
+      prog: as for ``argparse``.
+      description: as for ``argparse``.
       task: the ``--task`` default (None: no ``--task`` flag; the entry sets the task).
       preset: the ``--preset`` default.
       attention: the mechanism flag's default (None: no mechanism flag).
       attention_flag: its name (``--attention``; distillation uses ``--student``). The value
         is stored as ``args.attention`` either way.
-      attention_help, preset_help: help texts.
+      attention_help: help text of the mechanism flag.
+      preset_help: help text of ``--preset``.
       flags: which of `COMMON_FLAGS` to add.
       raw_description: keep the description's line breaks.
     """

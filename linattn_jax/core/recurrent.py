@@ -55,7 +55,8 @@ def recurrent_step(
       phi_q: ``[B, 1, H, M]`` the token's query features.
       keys: the token's `KeyFeatures` (``[B, 1, H, M]``, log scale / decay ``[B, 1, H]``).
       v: ``[B, 1, H, Dv]`` its value.
-      eps, den_floor: as in `linear_attention`.
+      eps: as in `linear_attention`.
+      den_floor: as in `linear_attention`.
     """
     check_floor(den_floor, keys.phi)
     s, z, c = state

@@ -365,6 +365,7 @@ def mix_images(rng, images, *, mixup_alpha=0.8, cutmix_alpha=1.0, switch_prob=0.
     Args:
       rng: a jax key.
       images: ``[B, H, W, C]`` float.
+
     Returns:
       ``(mixed [B, H, W, C], lam [])``: with probability `switch_prob` (always when
       ``mixup_alpha == 0``) CutMix -- a box of area ``1 - lam``, lam ~ Beta(cutmix_alpha,

@@ -97,7 +97,8 @@ def attention_kl(
     batch, heads and rows (see the module docstring).
 
     Args:
-      q, k: ``[B, T, H, d]`` teacher queries and keys (gradients are not taken through them).
+      q: ``[B, T, H, d]`` teacher queries (gradients are not taken through them).
+      k: ``[B, T, H, d]`` teacher keys (gradients are not taken through them).
       params: the student mechanism's params for this layer.
       feature_map: `student_feature_map` of the student.
       mask: ``[B, T]`` key-padding mask (also drops padded query rows), or None.

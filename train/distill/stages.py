@@ -84,7 +84,8 @@ def distill_attention(
     """Stage 1: trains the student's feature-map params to match the teacher's attention.
 
     Args:
-      teacher, teacher_variables: the trained softmax model.
+      teacher: the trained softmax model.
+      teacher_variables: the teacher's variables.
       student_name: the student's mechanism (one of `distillable_names`); its config is bound in
         the student model, the params come from `student_variables`.
       student_variables: the student's variables (for the fixed features and the initial
