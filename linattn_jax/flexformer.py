@@ -36,10 +36,11 @@ unchanged bit for bit). ``qk_radius=None, den_floor=0`` is the seed's raw map. T
 factor is never formed: dropped for queries (it cancels), the core's detached
 ``key_log_scale`` for keys (the running maximum when causal).
 
-Options: ``features="positive"`` (flexformer_s only) uses FAVOR+'s positive features of the
-learned frequencies, ``M^(-1/2) exp(Omega y - |y|^2 / 2)`` (the same kernel at init, M
-features, no floor needed: every weight is positive); ``learn_frequencies=False`` freezes the
-frequencies (the fixed-kernel RFF estimator; the temperature stays learnable);
+Options: ``features="positive"`` replaces the trigonometric map by FAVOR+'s positive features
+of the same learned frequencies (`linattn_jax.flexformer_positive`; flexformer_n's pair summed
+as its trigonometric map sums it): the same kernel at init, M features, every weight positive,
+so no floor; ``learn_frequencies=False`` freezes the frequencies (the fixed-kernel RFF
+estimator; the temperature stays learnable);
 ``init_method="orthogonal"`` draws orthogonal blocks (`performer.orthogonal_features`);
 ``pair_init`` / ``pair_jitter`` set ``Omega2`` (`init_n`); ``init_scale`` multiplies the
 draw; ``learn_bandwidth=True`` adds a per-dimension bandwidth ``params["log_bandwidth"]
@@ -58,14 +59,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from linattn_jax import _checks, core, performer
+from linattn_jax import _checks, core, flexformer_positive
 from linattn_jax.performer import orthogonal_features
 from linattn_jax.registry import Mechanism, register
 
 _f32 = jnp.float32
 _INIT_METHODS = ("gaussian", "orthogonal")
 _PAIR_INITS = ("jitter", "tied", "independent")
-FEATURES = ("trig", "positive")  # flexformer_s's feature kinds (module docstring, "Options")
+FEATURES = ("trig", "positive")  # the feature kinds (module docstring, "Options")
 PAIR_JITTER = 0.1  # default flexformer_n pair jitter (see init_n)
 QK_RADIUS = 1.0  # default |q^| = |k^| before the map (module docstring, "Stability")
 DEN_FLOOR = 0.05  # default relative denominator floor (module docstring, "Stability")
@@ -252,6 +253,14 @@ def _normalize(x, radius):
     return core.scale_rows(x, radius * x.shape[-1] ** 0.25 / norm)
 
 
+def _scaled_input(x, params, radius):
+    """`_normalize`, then the per-dimension bandwidth ``b`` when learned: the map of ``b * x``."""
+    x = _normalize(x, radius)
+    if "log_bandwidth" in params:
+        x = x * jnp.exp(params["log_bandwidth"].astype(_f32))[None, None]
+    return x
+
+
 def log_temperature_scale(params, head_dim, *, qk_radius=QK_RADIUS):
     """The per-head log of the scale ``a`` the map applies to ``x^`` (``[H]`` float32).
 
@@ -281,9 +290,7 @@ def frequencies(params, *, freq_scale=None):
 def _parts_heads_first(variant, x, params, radius=None, freq_scale=None):
     """``(s, phi)``: log norm factor ``[B, T, H, 1]`` and trig features heads first
     ``[B, H, T, 2M]``."""
-    x = _normalize(x, radius)
-    if "log_bandwidth" in params:  # the per-dimension bandwidth b: the map of b * x
-        x = x * jnp.exp(params["log_bandwidth"].astype(_f32))[None, None]
+    x = _scaled_input(x, params, radius)
     xh = core.scale_inputs(x)
     d = x.shape[-1]
     # the features of a x^ (a the per-head temperature scale): a and the frequency scale c
@@ -307,37 +314,38 @@ def _parts(variant, x, params, radius=None, freq_scale=None):
     return s, core.heads_last(phi)
 
 
-def _positive_parts(x, params, radius=None, freq_scale=None, *, stabilize=True):
-    """``(n, phi)``: FAVOR+ features of the learned frequencies (``features="positive"``,
-    flexformer_s only), heads last: ``phi [B, T, H, M]`` with ``exp(n) phi = M^(-1/2) exp(Omega
-    y - |y|^2 / 2)`` (plus performer's relative eps), ``y = a x^`` of the normalised (and
-    bandwidth-scaled) input, ``n [B, T, H]`` the detached per-token max (0 without
-    `stabilize`). ``E[exp(n_q + n_k) phi(q) . phi(k)] = exp(a^2 q^ . k^)`` at init, as the
-    trigonometric map's kernel estimate."""
-    x = _normalize(x, radius)
-    if "log_bandwidth" in params:
-        x = x * jnp.exp(params["log_bandwidth"].astype(_f32))[None, None]
+def _positive_parts(variant, x, params, radius=None, freq_scale=None):
+    """``(s, phi)`` as `_parts`, for ``features="positive"``: the positive features
+    ``[B, T, H, M]`` (`flexformer_positive.features`) of ``y = a x^`` (the normalised,
+    bandwidth- and temperature-scaled input) and the learned frequencies, ``s`` their
+    detached per-token max; for flexformer_n's raw map (``radius=None``) ``s`` adds the
+    paper's norm term in place of FAVOR+'s, ``|x|^2 / exp(tau) - |x^|^2 / 2`` (0 at the init
+    tau)."""
+    x = _scaled_input(x, params, radius)
     a = jnp.exp(log_temperature_scale(params, x.shape[-1], qk_radius=radius))
-    (omega,) = frequencies(params, freq_scale=freq_scale)
-    phi, n = performer.feature_map(x * a[None, None, :, None], omega, stabilize=stabilize)
-    return n, phi
+    omegas = frequencies(params, freq_scale=freq_scale)
+    phi, n = flexformer_positive.features(x * a[None, None, :, None], omegas)
+    s = n[..., None]
+    if variant == "n" and radius is None:
+        s = s + _log_norm_n(x, params["tau"]) - _log_norm_s(core.scale_inputs(x))
+    return s, phi
 
 
-def _check_features(name, features):
+def _feature_parts(name, features):
+    """`_parts` or `_positive_parts` by `features` (checked)."""
     _checks.check_choice(name, "features", features, FEATURES)
-    if features != "trig" and name != "flexformer_s":
-        raise ValueError(f"{name}: features must be 'trig' (positive features are flexformer_s's)")
+    return _positive_parts if features == "positive" else _parts
+
+
+def _stabilised_features(variant, x, params, is_query, mask, radius, freq_scale, features):
+    """The body of `feature_map_s` and `feature_map_n`."""
+    parts = _feature_parts("flexformer_" + variant, features)
+    s, phi = parts(variant, x, params, radius, freq_scale)
+    return _stabilised_norm_factor(s, is_query=is_query, mask=mask) * phi
 
 
 def feature_map_s(
-    x,
-    params,
-    *,
-    is_query: bool,
-    mask=None,
-    qk_radius=QK_RADIUS,
-    freq_scale=None,
-    features="trig",
+    x, params, *, is_query: bool, mask=None, qk_radius=QK_RADIUS, freq_scale=None, features="trig"
 ):
     """Stabilised ``flexformer_s`` features ``[B, T, H, d] -> [B, T, H, 2M]`` float32.
 
@@ -346,25 +354,20 @@ def feature_map_s(
     `mask` ``[B, T]`` is used for the key stabiliser only and zeroes masked keys).
     This is the non-causal stabilisation; causal attention uses the running max
     (module docstring), which gives the same normalised weights up to rounding.
-    ``features="positive"``: the FAVOR+ features of `_positive_parts` (``[B, T, H, M]``).
+    ``features="positive"``: the positive features (`flexformer_positive`, ``[B, T, H, M]``).
     """
-    _check_features("flexformer_s", features)
-    if features == "positive":
-        n, phi = _positive_parts(x, params, qk_radius, freq_scale)
-        if is_query:
-            return phi
-        return _stabilised_norm_factor(n[..., None], is_query=False, mask=mask) * phi
-    s, phi = _parts("s", x, params, qk_radius, freq_scale)
-    return _stabilised_norm_factor(s, is_query=is_query, mask=mask) * phi
+    return _stabilised_features("s", x, params, is_query, mask, qk_radius, freq_scale, features)
 
 
-def feature_map_n(x, params, *, is_query: bool, mask=None, qk_radius=QK_RADIUS, freq_scale=None):
+def feature_map_n(
+    x, params, *, is_query: bool, mask=None, qk_radius=QK_RADIUS, freq_scale=None, features="trig"
+):
     """Stabilised ``flexformer_n`` features ``[B, T, H, d] -> [B, T, H, 2M]`` float32.
 
-    Same conventions as `feature_map_s`, with ``phi~(x) = exp(|x|^2 / exp(tau)) phi_n(x)``.
+    Same conventions as `feature_map_s`, with ``phi~(x) = exp(|x|^2 / exp(tau)) phi_n(x)``
+    (``features="positive"``: the positive pair features, ``[B, T, H, M]``).
     """
-    s, phi = _parts("n", x, params, qk_radius, freq_scale)
-    return _stabilised_norm_factor(s, is_query=is_query, mask=mask) * phi
+    return _stabilised_features("n", x, params, is_query, mask, qk_radius, freq_scale, features)
 
 
 def _variant(params):
@@ -407,17 +410,14 @@ def kernel(q, k, params, *, qk_radius=QK_RADIUS, freq_scale=None, features="trig
     For inspection, plots and tests (the variant is read off the param names).
     ``q: [B, Tq, H, d]``, ``k: [B, Tk, H, d]``. At init its expectation over the
     frequencies is ``exp(q . k / sqrt d)``. Not stabilised: it overflows for
-    large norms, exactly as the kernel itself does. ``features="positive"`` (flexformer_s):
-    the FAVOR+ estimate ``phi+(q_i) . phi+(k_j)``, positive.
+    large norms, exactly as the kernel itself does. ``features="positive"``: the positive
+    estimate ``phi+(q_i) . phi+(k_j)`` (`flexformer_positive`; the raw map of flexformer_n
+    with its norm term), every entry positive.
     """
     variant = _variant(params)
-    if features != "trig":
-        _check_features("flexformer_" + variant, features)
-        pq = _positive_parts(q, params, qk_radius, freq_scale, stabilize=False)[1]
-        pk = _positive_parts(k, params, qk_radius, freq_scale, stabilize=False)[1]
-        return jnp.einsum("bihm,bjhm->bhij", pq, pk, precision=lax.Precision.HIGHEST)
-    sq, pq = _parts(variant, q, params, qk_radius, freq_scale)
-    sk, pk = _parts(variant, k, params, qk_radius, freq_scale)
+    parts = _feature_parts("flexformer_" + variant, features)
+    sq, pq = parts(variant, q, params, qk_radius, freq_scale)
+    sk, pk = parts(variant, k, params, qk_radius, freq_scale)
     dots = jnp.einsum("bihm,bjhm->bhij", pq, pk, precision=lax.Precision.HIGHEST)
     norms = (
         sq[..., 0].transpose(0, 2, 1)[..., :, None] + sk[..., 0].transpose(0, 2, 1)[..., None, :]
@@ -484,19 +484,19 @@ def _feature_map(variant):
     def query(
         q, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None, features="trig"
     ):
-        _check_features(name, features)
+        _feature_parts(name, features)
         if features == "positive":  # heads last already; its per-token max cancels; no floor
-            return _positive_parts(q, params, qk_radius, freq_scale)[1]
+            return _positive_parts(variant, q, params, qk_radius, freq_scale)[1]
         phi = _parts_heads_first(variant, q, params, qk_radius, freq_scale)[1]
         return core.heads_last(core.mass_channel(phi, is_query=True) if den_floor else phi)
 
     def key(
         k, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None, features="trig"
     ):
-        _check_features(name, features)
+        _feature_parts(name, features)
         if features == "positive":  # the per-token max as the key's log scale; no floor
-            n, phi = _positive_parts(k, params, qk_radius, freq_scale)
-            return core.KeyFeatures(phi, n)
+            s, phi = _positive_parts(variant, k, params, qk_radius, freq_scale)
+            return core.KeyFeatures(phi, s[..., 0])
         s, phi = _parts_heads_first(variant, k, params, qk_radius, freq_scale)
         phi = core.mass_channel(phi, is_query=False) if den_floor else phi
         return core.KeyFeatures(core.heads_last(phi), s[..., 0])
@@ -532,7 +532,7 @@ def _attend(name, quadratic, q, k, v, params, mask, causal, chunk_size, config):
     learn_frequencies = config.pop("learn_frequencies")
     _check_map_config(name, config["qk_radius"], config["den_floor"])
     _check_freq_scale(name, config["freq_scale"])
-    _check_features(name, config["features"])
+    _feature_parts(name, config["features"])
     params = dict(params)
     if not learn_frequencies:
         for key in freq_keys:

@@ -18,6 +18,9 @@ _CASES.append(("rfa", {"gate": True}, True))
 _CASES.append(("rfa", {"gate": True, "chunk_size": 3}, True))
 # A denominator floor active on most rows: its mass channel crosses the devices too.
 _CASES += [("flexformer_n", {"den_floor": 0.9}, c) for c in (False, True)]
+# The positive maps: key log-scales (the per-token max) across the devices, no floor.
+_CASES += [("flexformer_n", {"features": "positive"}, c) for c in (False, True)]
+_CASES.append(("flexformer_s", {"features": "positive"}, True))
 # Landmark segments split by the device boundaries (3 per 16 tokens); query landmarks and
 # row normalisation; laplacian's local branch over 5 taps (a halo of 2 rows).
 _CASES += [
