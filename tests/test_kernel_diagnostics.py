@@ -13,11 +13,13 @@ from test_train import tiny_config, toy_task
 
 from train import kernel_diagnostics as kd
 from train import loop
+from train.distill.capture import capture_attention
 from train.trainer import Trainer
 
 KEYS = {
     "freq_norm_ratio",
     "freq_move",
+    "attn_tv",
     "scale_ratio",
     "neg_weight_frac",
     "entropy_ratio",
@@ -42,6 +44,34 @@ def test_weight_stats_on_known_rows():
     p = np.array([0.75, 0.25])
     want = (1.0 + 0.0 + float(-(p * np.log(p)).sum() / math.log(4))) / 3
     np.testing.assert_allclose(float(ent), want, rtol=1e-6)
+
+
+def test_attention_tv_on_known_rows():
+    """Half the l1 distance per row over the visible keys, averaged over the rows with a
+    visible key: rows 0.5, 0, 0 and 1 (a row with a negative weight), the invisible key's
+    difference and the row without visible keys left out."""
+    w = jnp.array(
+        [
+            [0.5, 0.5, 0.0, 9.0],  # the 9 is invisible
+            [1.0, 0.0, 0.0, 0.0],
+            [0.25, 0.25, 0.25, 0.25],
+            [1.5, -0.5, 0.0, 0.0],
+            [3.0, 3.0, 3.0, 3.0],  # no visible key
+        ]
+    )[None, None]
+    w0 = jnp.array(
+        [
+            [1.0, 0.0, 0.0, 0.0],
+            [1.0, 0.0, 0.0, 0.0],
+            [0.25, 0.25, 0.25, 0.25],
+            [0.5, 0.5, 0.0, 0.0],
+            [0.0, 0.0, 0.0, 0.0],
+        ]
+    )[None, None]
+    visible = jnp.array([[1, 1, 1, 0]] + [[1, 1, 1, 1]] * 3 + [[0, 0, 0, 0]], bool)
+    got = kd.attention_tv(w, w0, visible[None, None])
+    np.testing.assert_allclose(float(got), (0.5 + 0.0 + 0.0 + 1.0) / 4, rtol=1e-6)
+    assert float(kd.attention_tv(w, w, visible[None, None])) == 0.0
 
 
 def _moved(params, freq, tau_shift):
@@ -85,7 +115,9 @@ def test_entries_on_known_params():
 
     hh = tiny_config("hedgehog")
     hh_diag = kd.for_run(Trainer(hh, task, devices=jax.devices()[:1]), hh)
-    assert set(hh_diag.start) == {"kernel/neg_weight_frac", "kernel/entropy_ratio"}
+    assert set(hh_diag.start) == {
+        f"kernel/{k}" for k in ("neg_weight_frac", "entropy_ratio", "attn_tv")
+    }
     assert hh_diag.start["kernel/neg_weight_frac"] == 0.0
     assert kd.for_run(Trainer(tiny_config("softmax"), task), tiny_config("softmax")) is None
 
@@ -101,11 +133,12 @@ def _layers(params):
     return dict(sorted(out.items()))
 
 
-def test_freq_move_by_hand():
+def test_freq_move_and_attn_tv_by_hand():
     """``freq_move`` = |omega - omega_0|_F / |omega_0|_F over a layer's frequency params
     together, averaged over layers: 0 at init, and on a move that keeps every row norm (a
     rotation, which freq_norm_ratio cannot see: it stays 1) the hand-computed value. Tiny
-    shapes: 2 layers, 2 heads, M = 3, d = 8; layer 0 moves omega1 only, layer 1 both."""
+    shapes: 2 layers, 2 heads, M = 3, d = 8; layer 0 moves omega1 only, layer 1 both. Then
+    ``attn_tv`` on the same diagnostics (`_check_attn_tv`)."""
     task = toy_task()
     config = tiny_config("flexformer_n", num_features=3)
     trainer = Trainer(config, task, devices=jax.devices()[:1])
@@ -142,6 +175,50 @@ def test_freq_move_by_hand():
     assert min(want) > 0.01
     np.testing.assert_allclose(got["kernel/freq_move"], np.mean(want), rtol=1e-5)
     np.testing.assert_allclose(got["kernel/freq_norm_ratio"], 1.0, rtol=1e-5)
+    _check_attn_tv(diag, state, layer_paths)
+
+
+def _check_attn_tv(diag, state, layer_paths):
+    """``attn_tv``: 0 at init, and 0 when only the rest of the model moves (it compares the
+    current and the init kernel on the same, current, q and k). Layer 1's frequencies set to
+    0 make its kernel constant, hence its rows uniform over the visible keys: the entry is
+    then (0 + layer 1's mean total variation between uniform rows and its init rows) / 2,
+    computed here from the captured q, k."""
+    assert diag.start["kernel/attn_tv"] == 0.0
+
+    def under_mechanism(path):
+        return "mechanism" in [str(getattr(p, "key", "")) for p in path]
+
+    others = jax.tree_util.tree_map_with_path(
+        lambda path, x: x if under_mechanism(path) else 1.3 * x, state.params
+    )
+    assert diag(state.replace(params=others))["kernel/attn_tv"] == 0.0
+
+    def flatten(path, x):
+        names = [str(getattr(p, "key", "")) for p in path]
+        in_layer1 = tuple(names[: len(layer_paths[1])]) == layer_paths[1]
+        return 0.0 * x if in_layer1 and names[-1].startswith("omega") else x
+
+    flat = state.replace(params=jax.tree_util.tree_map_with_path(flatten, state.params))
+    got = diag(flat)["kernel/attn_tv"]
+
+    @jax.jit
+    def init_weights(params, p0):  # layer 1's init weights [B, Tq, H, Tk] and its key mask
+        calls = capture_attention(diag.model, {"params": params}, *diag.probe, deterministic=True)
+        call = [c for c in calls if tuple(c.path) == layer_paths[1]][0]
+        b, t, h, _ = call.k.shape
+        eye = jnp.broadcast_to(jnp.eye(t)[None, :, None, :], (b, t, h, t))
+        return diag.mech.attention(call.q, call.k, eye, p0, mask=call.mask), call.mask
+
+    p0 = {k: jnp.asarray(x, jnp.float32) for k, x in _layers(state.params)[layer_paths[1]].items()}
+    w0, mask = (np.asarray(x) for x in init_weights(state.params, p0))
+    keys = mask.astype(bool)  # [B, T] keys (and queries) that attention sees
+    uniform = keys[:, None, None, :] / keys.sum(-1)[:, None, None, None]
+    tv = 0.5 * np.sum(np.abs(uniform - w0) * keys[:, None, None, :], -1)  # [B, T, H]
+    rows = np.broadcast_to(keys[:, :, None], tv.shape)
+    want = np.sum(tv * rows) / np.sum(rows) / 2  # layer 0 unchanged: 0
+    assert want > 0.01
+    np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
 def test_run_logs_plots_and_summarises(tmp_path):
@@ -161,4 +238,4 @@ def test_run_logs_plots_and_summarises(tmp_path):
     kernel = json.loads((tmp_path / "summary.json").read_text())["kernel"]
     assert kernel["end"]["kernel/scale_ratio"] == train[-1]["kernel/scale_ratio"]
     assert kernel["start"]["kernel/scale_ratio"] == 1.0 != kernel["end"]["kernel/scale_ratio"]
-    assert "kernel (init -> end): entropy_ratio" in loop.format_summary(summary)
+    assert "kernel (init -> end): attn_tv" in loop.format_summary(summary)

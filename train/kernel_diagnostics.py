@@ -19,14 +19,21 @@ computes, every ``log_every`` steps, on a small fixed probe batch (the first
 - ``kernel/bandwidth_ratio`` (flexformers with ``learn_bandwidth``): the typical factor by
   which a dimension's learned bandwidth moved, ``exp(mean |log b - log b_init|)`` over heads
   and dimensions (1 unmoved; 1.1 a 10% move either way);
+- ``kernel/attn_tv``: how far the attention moved because the kernel did: the mean total
+  variation ``1/2 sum_j |w_ij - w0_ij|`` between each attention row under the current
+  mechanism params (``w``) and under their init values (``w0``), everything else (the
+  model's q, k, v) current, over the probe's visible pairs; averaged over the rows with a
+  visible key, heads and layers (`attention_tv`). 0 at init, 1 for rows of disjoint
+  supports (rows with negative weights: half their l1 distance, which can exceed 1);
 - ``kernel/neg_weight_frac``: the share of negative normalised attention weights over the
   probe's visible (query, key) pairs, every layer;
 - ``kernel/entropy_ratio``: the attention rows' entropy over the uniform row's ``log n``
   (``n`` visible keys; rows of ``|w| / sum |w|``), averaged over rows and layers: 1 is a
   flat kernel, softmax-like sharp rows are well below;
 - ``kernel/shift_gap`` (flexformer_n): the shift-invariance gap of its trigonometric
-  kernel (`linattn_jax.flexformer.shift_invariance_gap`'s definition, computed through the
-  feature map), on the probe's first 16 queries and keys rescaled to ``|x d^(-1/4)| = 1``,
+  kernel, the frequency pairs' Yaglom kernel whatever the feature kind
+  (`linattn_jax.flexformer.shift_invariance_gap`'s definition, computed through the feature
+  map), on the probe's first 16 queries and keys rescaled to ``|x d^(-1/4)| = 1``,
   under 8 fixed Gaussian shifts: 0 stationary, growing as the pairs separate.
 
 The weights are read generically: every mechanism's output is linear in ``v``, so calling
@@ -103,6 +110,15 @@ def weight_stats(w, visible):
     return neg, jnp.sum(ratio) / jnp.maximum(jnp.sum(rows), 1)
 
 
+def attention_tv(w, w0, visible):
+    """The mean total variation ``1/2 sum_j |w_ij - w0_ij|`` between the rows of `w` and `w0`
+    ``[B, H, Tq, Tk]`` over the `visible` pairs, averaged over the rows with a visible key."""
+    vis = jnp.broadcast_to(visible, w.shape)
+    tv = 0.5 * jnp.sum(jnp.where(vis, jnp.abs(w - w0), 0.0), -1)
+    rows = jnp.any(vis, -1)
+    return jnp.sum(jnp.where(rows, tv, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
+
+
 def _shift_gap(fmap, params, call, shifts):
     """`linattn_jax.flexformer.shift_invariance_gap` through the feature map (the query
     features of the raw map are the trigonometric features)."""
@@ -113,8 +129,8 @@ def _shift_gap(fmap, params, call, shifts):
 
     x, y = unit(call.q), unit(call.k)
 
-    def trig(z):
-        return fmap.query(z, params, qk_radius=None, den_floor=0.0)
+    def trig(z):  # the frequencies' trigonometric kernel, whatever the feature kind
+        return fmap.query(z, params, qk_radius=None, den_floor=0.0, features="trig")
 
     ks = jnp.stack([jnp.einsum("bihm,bjhm->bhij", trig(x + s), trig(y + s)) for s in shifts])
     return jnp.sum(jnp.var(ks, axis=0)) / jnp.sum(jnp.mean(ks * ks, axis=0))
@@ -184,15 +200,20 @@ class KernelDiagnostics:
             self.model, {"params": params, **extra}, *probe, deterministic=True
         )
         fixed = extra.get("fixed", {})
-        negs, ents, gaps, freq, freq0, move, scale, bw = [], [], [], [], [], [], [], []
+        negs, ents, tvs, gaps, freq, freq0, move, scale, bw = ([] for _ in range(9))
         for call in calls:
             mp = _mechanism_params(params, call.path)
             mp0 = _mechanism_params(init_params, call.path)
-            full = {**mp, **_mechanism_params(fixed, call.path)}
+            fixed_mp = _mechanism_params(fixed, call.path)
+            full = {**mp, **fixed_mp}
             w = _weights(self.mech, call, full)
-            neg, ent = weight_stats(w, _visible(call, w.shape))
+            visible = _visible(call, w.shape)
+            neg, ent = weight_stats(w, visible)
             negs.append(neg)
             ents.append(ent)
+            # the init kernel on the same (current) q, k
+            w0 = _weights(self.mech, call, {**mp0, **fixed_mp})
+            tvs.append(attention_tv(w, w0, visible))
             if _freq_norm(mp) is not None:
                 freq.append(_freq_norm(mp))
                 freq0.append(_freq_norm(mp0))
@@ -210,6 +231,7 @@ class KernelDiagnostics:
         out = {
             "neg_weight_frac": jnp.mean(jnp.stack(negs)),
             "entropy_ratio": jnp.mean(jnp.stack(ents)),
+            "attn_tv": jnp.mean(jnp.stack(tvs)),
         }
         if freq:
             out["freq_norm_ratio"] = jnp.mean(jnp.stack(freq)) / jnp.mean(jnp.stack(freq0))
@@ -296,6 +318,7 @@ def plot_kernel(jsonl: str | Path, png: str | Path, *, title: str = "") -> Path 
 
 __all__ = [
     "KernelDiagnostics",
+    "attention_tv",
     "for_run",
     "format_line",
     "has_learnable_kernel",
