@@ -7,6 +7,7 @@ landmarks and combines them by self-normalised multiple importance sampling (MIS
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -142,17 +143,18 @@ class _Cfg(NamedTuple):
 def _lara_proposals(q, k, params, mask, cfg, seq_axis=None):
     """Landmarks and proposal means.
 
-    Returns ``(qh, kh, q_bar, mu, valid_c, q_mask)``: scaled inputs ``[B, T, H, d]``,
-    query landmarks ``q~ [B, L, H, d]``, proposal means ``mu = q~ + k~ [B, L, H, d]``,
-    ``valid_c [B, L]`` (both landmarks of slot c exist) and the query mask (None or
-    ``[B, Tq]``), all in the scaled space.
+    Returns ``(q_bar, mu, valid_c, q_mask)``: query landmarks ``q~ [B, L, H, d]``, proposal
+    means ``mu = q~ + k~ [B, L, H, d]`` (both in the scaled space), ``valid_c [B, L]`` (both
+    landmarks of slot c exist) and the query mask (None or ``[B, Tq]``).
 
     Query and key landmarks use the same slot count L: ``min(C, Tq, Tk)`` for 1-D
     segments (`landmarks.num_landmarks` with the grid for 2-D). The key mask is
     used for the key landmarks and, when ``Tq == Tk`` (self-attention), also for the
     query landmarks and the query statistics r_nc (padded queries take no part).
     ``mixed=True`` replaces each key landmark by ``sum_c' softmax_c'(k~_c . k~_c') k~_c'``
-    (the official 2-D "-mixed" proposals; over the valid slots).
+    (the official 2-D "-mixed" proposals; over the valid slots). ``"mean"`` averages the
+    unscaled q, k and scales the means (the same numbers: a mean is linear), so no scaled
+    copy of the inputs is made here.
 
     `seq_axis`: q, k, mask are this device's parts of sequences split along T over that
     mesh axis; the landmarks are those of the whole sequences
@@ -160,17 +162,15 @@ def _lara_proposals(q, k, params, mask, cfg, seq_axis=None):
     """
     tq, tk = q.shape[1], k.shape[1]
     d = q.shape[-1]
-    qh, kh = core.scale_inputs(q), core.scale_inputs(k)
     proposal, grid = cfg.proposal, cfg.grid
     if proposal == "learned":
-        pq, pk = _proposal_features(qh, params, "q"), _proposal_features(kh, params, "k")
+        pq = _proposal_features(core.scale_inputs(q), params, "q")
+        pk = _proposal_features(core.scale_inputs(k), params, "k")
     elif proposal == "adaptive-1d":
         pq = _proposal_features(q.astype(_f32), params, "q") * d**-0.25
         pk = _proposal_features(k.astype(_f32), params, "k") * d**-0.25
-    elif proposal == "pool":
+    else:  # "mean" and "pool": landmarks of the unscaled inputs
         pq, pk = q.astype(_f32), k.astype(_f32)
-    else:
-        pq, pk = qh, kh
     shards = 1 if seq_axis is None else lax.axis_size(seq_axis)
     m = cfg.num_landmarks if grid is not None else min(cfg.num_landmarks, tq * shards, tk * shards)
     q_mask = mask if (mask is not None and tq == tk) else None
@@ -183,12 +183,14 @@ def _lara_proposals(q, k, params, mask, cfg, seq_axis=None):
     if proposal == "pool":
         q_bar = _proposal_features(q_bar, params, "q") * d**-0.25
         k_bar = _proposal_features(k_bar, params, "k") * d**-0.25
+    elif proposal == "mean":
+        q_bar, k_bar = q_bar * d**-0.25, k_bar * d**-0.25
     valid_c = lq & lk
     if cfg.mixed:
         logits = jnp.einsum("bchd,behd->bhce", k_bar, k_bar)  # [B, H, L, L]
         mix = masked_softmax(logits, lk[:, None, None, :], -1)
         k_bar = jnp.einsum("bhce,behd->bchd", mix, k_bar)
-    return qh, kh, q_bar, q_bar + k_bar, valid_c, q_mask
+    return q_bar, q_bar + k_bar, valid_c, q_mask
 
 
 def resolve_noise_scale(noise_scale, head_dim: int) -> float:
@@ -230,10 +232,10 @@ def _lara_terms(q, k, params, rng, mask, deterministic, cfg, seq_axis=None, nois
 
     Returns a dict with ``omega [B, N, H, d]`` (N = L S' terms, proposal-major),
     ``per`` (S', terms per proposal), ``term_c [N]`` (the proposal of each term),
-    ``term_valid [B, N]`` and the outputs of `_lara_proposals`.
+    ``term_valid [B, N]``, ``q_valid [B, Tq]`` and the outputs of `_lara_proposals`.
     """
     b, _, h, d = q.shape
-    qh, kh, q_bar, mu, valid_c, q_mask = _lara_proposals(q, k, params, mask, cfg, seq_axis)
+    q_bar, mu, valid_c, q_mask = _lara_proposals(q, k, params, mask, cfg, seq_axis)
     n_prop = mu.shape[1]
     if deterministic:
         omega, per = mu, 1
@@ -247,8 +249,6 @@ def _lara_terms(q, k, params, rng, mask, deterministic, cfg, seq_axis=None, nois
         omega = omega.reshape(b, n_prop * per, h, d)
     term_c = jnp.repeat(jnp.arange(n_prop), per)
     return dict(
-        qh=qh,
-        kh=kh,
         q_bar=q_bar,
         mu=mu,
         valid_c=valid_c,
@@ -332,14 +332,21 @@ def lara_attention(
     serves both f (softmax) and the p~ normaliser (logsumexp); ``-|q^_n|^2 / 2`` is
     dropped (constant over terms, it cancels in the softmax over t); the final weights
     are ``max(alpha, floor) exp(log p~ - log g - max)`` in linear space (no log of
-    alpha); no mask arrays when `mask` is None.
+    alpha); no mask arrays when `mask` is None. The two T-long parts (`key_stats`,
+    `query_weights`) have hand-written VJPs: they keep the forward's exponentials and take
+    fewer passes over the ``[B, H, N, T]`` arrays than autodiff of the forward.
 
     Args:
-      q: ``[B, Tq, H, Dk]``; k: ``[B, Tk, H, Dk]``; v: ``[B, Tk, H, Dv]``.
+      q: ``[B, Tq, H, Dk]``.
+      k: ``[B, Tk, H, Dk]``.
+      v: ``[B, Tk, H, Dv]``.
       params: ``{}`` or the proposal network (`lara_init`).
       rng: a `jax.random.key` (needed unless deterministic).
       mask: ``[B, Tk]`` bool key padding; respected in f, p~, the key landmarks, and
         (``Tq == Tk``) the query landmarks and r_nc.
+      causal: must be False (LARA has no causal form).
+      deterministic: one term per proposal at its mean (no rng), as the official code in
+        evaluation.
       num_landmarks: C (default 64, as the Nystrom family; min(C, Tq, Tk) in 1-D; the
         ViT presets use 49 = 7 x 7 as the official code).
       num_samples: draws per proposal (default 1).
@@ -366,54 +373,45 @@ def lara_attention(
 
 def _lara(q, k, v, mask, t, cfg, seq_axis=None):
     """`lara_attention` from the drawn terms `t` (`_lara_terms`) and the config `cfg`;
-    `seq_axis`: the mesh axis the sequence is split over (`lara_sharded`)."""
-    qh, kh, v32 = _heads(t["qh"]), _heads(t["kh"]), _heads(v.astype(_f32))  # [B, H, T, .]
+    `seq_axis`: the mesh axis the sequence is split over (`lara_sharded`).
+
+    The two T-long parts, the key statistics (`key_stats`) and the query weights
+    (`query_weights`), carry hand-written VJPs on one device; inside ``shard_map`` (where
+    their sums run over the devices) autodiff differentiates the same forward code.
+    """
+    qh, kh = (_heads(core.scale_inputs(x)) for x in (q, k))  # [B, H, T, d]
+    v32 = _heads(v.astype(_f32))
     omega, mu = _heads(t["omega"]), _heads(t["mu"])  # [B, H, N, d], [B, H, L, d]
     masked = mask is not None
-    tvalid = t["term_valid"][:, None, :, None] if masked else None  # [B, 1, N, 1]
-
-    # Keys: log xi(k^_m, omega_t) [B, H, N, Tk]; one exp gives f and the logsumexp.
-    log_xi_k = jnp.einsum("bhnd,bhmd->bhnm", omega, kh) - sq_half(kh)[:, :, None, :]
-    # `seq_axis` (`lara_sharded`): the max and the sums over keys run over its devices too.
-    if masked:
-        log_xi_k = jnp.where(mask[:, None, None, :], log_xi_k, -jnp.inf)
-        m_k = _seq.masked_max(log_xi_k, mask[:, None, None, :], -1, seq_axis)
+    kmask = mask[:, None, None, :] if masked else None  # [B, 1, 1, Tk]
+    if seq_axis is None:
+        f, lse = _key_stats_vjp(omega, kh, v32, kmask)
     else:
-        m_k = _seq.pmax(lax.stop_gradient(jnp.max(log_xi_k, axis=-1, keepdims=True)), seq_axis)
-    e_k = jnp.exp(log_xi_k - m_k)
-    den_k = _seq.psum(jnp.sum(e_k, axis=-1, keepdims=True), seq_axis)  # [B, H, N, 1]
-    if masked:
-        den_k = jnp.where(den_k > 0, den_k, 1.0)
-    f = _seq.psum(jnp.einsum("bhnm,bhmd->bhnd", e_k, v32), seq_axis) / den_k  # [B, H, N, Dv]
-    lse_k = jnp.log(den_k) + m_k  # [B, H, N, 1]
+        f, lse = key_stats(omega, kh, v32, kmask, seq_axis)[0]
 
-    # Proposals: log g_c(omega_t) for every c and the term's own: [B, H, N, L], [B, H, N, 1].
+    # Proposals: log g_c(omega_t) for every c and the term's own: [B, H, N, L], [B, H, N].
     log_g = jnp.einsum("bhnd,bhcd->bhnc", omega, mu) - sq_half(mu)[:, :, None, :]
     mu_t = mu if t["per"] == 1 else mu[:, :, t["term_c"]]
-    log_g_own = jnp.sum(omega * mu_t, -1, keepdims=True) - sq_half(mu_t)[..., None]
+    log_g_own = jnp.sum(omega * mu_t, -1) - sq_half(mu_t)
     if masked:
-        lse_g = _masked_logsumexp(log_g, t["valid_c"][:, None, None, :], -1)[..., None]
+        lse_g = _masked_logsumexp(log_g, t["valid_c"][:, None, None, :], -1)
         # <= 0 for a valid term; an invalid term's value is unused but could overflow exp.
-        log_bh = jnp.where(tvalid, log_g_own - lse_g, 0.0)
+        bh = jnp.exp(jnp.where(t["term_valid"][:, None, :], log_g_own - lse_g, 0.0))
+        masks = (
+            t["term_valid"][:, None, :, None],  # [B, 1, N, 1]
+            t["q_valid"][:, None, None, :],  # [B, 1, 1, Tq]
+            t["valid_c"][:, None, :, None],  # [B, 1, L, 1]
+        )
     else:
-        log_bh = log_g_own - jax.nn.logsumexp(log_g, axis=-1, keepdims=True)
-    alpha = jnp.exp(log_bh)  # [B, H, N, 1]
-    if cfg.mis == "opt":
-        corr = _query_correction(qh, _heads(t["q_bar"]), t, masked, seq_axis)
-        alpha = alpha + cfg.alpha_coeff * corr
-
-    # Queries: log p~_n(omega_t) - log g_own, up to the per-query constant -|q^_n|^2 / 2.
-    s = jnp.einsum("bhnd,bhqd->bhnq", omega, qh) + (lse_k - log_g_own)  # [B, H, N, Tq]
-    if masked:
-        s = jnp.where(tvalid, s, -jnp.inf)
-        s_max = lax.stop_gradient(core.masked_max(s, tvalid, 2))
+        bh = jnp.exp(log_g_own - jax.nn.logsumexp(log_g, axis=-1))
+        masks = None
+    spec = QuerySpec(cfg.mis == "opt", float(cfg.alpha_coeff), t["per"])
+    # Queries: log p~_n(omega_t) - log g_own = omega_t . q^_n + c_t, up to -|q^_n|^2 / 2.
+    args = (omega, _heads(t["q_bar"]), qh, lse - log_g_own, bh, f, masks)
+    if seq_axis is None:
+        out = _query_weights_vjp(*args, spec)
     else:
-        s_max = lax.stop_gradient(jnp.max(s, axis=2, keepdims=True))
-    w = jnp.maximum(alpha, ALPHA_FLOOR) * jnp.exp(s - s_max)  # [B, H, N, Tq]
-    den = jnp.sum(w, axis=2)  # [B, H, Tq]
-    if masked:
-        den = jnp.where(den > 0, den, 1.0)
-    out = jnp.einsum("bhnq,bhnd->bqhd", w, f) / jnp.swapaxes(den, 1, 2)[..., None]
+        out = query_weights(*args, spec, seq_axis)[0]
     return out.astype(q.dtype)
 
 
@@ -432,26 +430,160 @@ def lara_sharded(q, k, v, params, noise, *, mask=None, deterministic=False, seq_
     return _lara(q, k, v, mask, t, cfg, seq_axis)
 
 
-def _query_correction(qh, q_bar, t, masked, seq_axis=None):
-    """``r_{n c_t} - mean_c r_nc`` as ``[B, H, N, Tq]``, ``r_nc = softmax_n(q^_n . q~_c)``.
+def key_stats(omega, kh, v, mask=None, seq_axis=None):
+    """LARA's key statistics per term: ``((f, lse), (e, den))``.
 
-    `qh` ``[B, H, Tq, d]`` and `q_bar` ``[B, H, L, d]`` heads-first; `seq_axis`: the
-    queries are split over that mesh axis (the softmax over n runs over its devices too).
+    With ``a_tm = log xi(k^_m, omega_t) = omega_t . k^_m - |k^_m|^2 / 2`` over keys m:
+    ``f_t = sum_m softmax_m(a_tm) v_m`` ``[B, H, N, Dv]`` and ``lse_t = logsumexp_m a_tm``
+    ``[B, H, N]``; one exponential ``e = exp(a - max_m a)`` ``[B, H, N, Tk]`` and its sum
+    ``den [B, H, N, 1]`` serve both (and the VJP). Heads-first: `omega` ``[B, H, N, d]``,
+    `kh` ``[B, H, Tk, d]``, `v` ``[B, H, Tk, Dv]``, `mask` None or ``[B, 1, 1, Tk]`` bool.
+    `seq_axis`: the keys are split over that mesh axis; the max and sums run over it.
     """
-    logits = jnp.einsum("bhcd,bhqd->bhcq", q_bar, qh)  # [B, H, L, Tq]
-    if masked:
-        cv = t["valid_c"][:, None, :, None]  # [B, 1, L, 1]
-        r = masked_softmax(logits, t["q_valid"][:, None, None, :] & cv, -1, seq_axis)
-        n_c = jnp.maximum(jnp.sum(cv, axis=2, keepdims=True), 1)
-        r_mean = jnp.sum(jnp.where(cv, r, 0.0), axis=2, keepdims=True) / n_c
-    elif seq_axis is not None:
-        r = masked_softmax(logits, True, -1, seq_axis)
-        r_mean = jnp.mean(r, axis=2, keepdims=True)
+    a = jnp.einsum("bhnd,bhmd->bhnm", omega, kh) - sq_half(kh)[:, :, None, :]
+    if mask is not None:
+        a = jnp.where(mask, a, -jnp.inf)
+        m = _seq.masked_max(a, mask, -1, seq_axis)
     else:
-        r = jax.nn.softmax(logits, axis=-1)
-        r_mean = jnp.mean(r, axis=2, keepdims=True)
-    corr = r - r_mean
-    return corr if t["per"] == 1 else corr[:, :, t["term_c"]]
+        m = _seq.pmax(lax.stop_gradient(jnp.max(a, axis=-1, keepdims=True)), seq_axis)
+    e = jnp.exp(a - m)
+    den = _seq.psum(jnp.sum(e, axis=-1, keepdims=True), seq_axis)
+    if mask is not None:
+        den = jnp.where(den > 0, den, 1.0)
+    f = _seq.psum(jnp.einsum("bhnm,bhmd->bhnd", e, v), seq_axis) / den
+    return (f, (jnp.log(den) + m)[..., 0]), (e, den)
+
+
+@jax.custom_vjp
+def _key_stats_vjp(omega, kh, v, mask):
+    return key_stats(omega, kh, v, mask)[0]
+
+
+def _key_stats_fwd(omega, kh, v, mask):
+    (f, lse), (e, den) = key_stats(omega, kh, v, mask)
+    return (f, lse), (omega, kh, v, e, den, f)
+
+
+def _key_stats_bwd(res, cts):
+    # p = e / den; da = p (df . v - f . df + dlse), with 1/den folded into the small df.
+    omega, kh, v, e, den, f = res
+    df, dlse = cts
+    df_den = df / den
+    dp = jnp.einsum("bhnd,bhmd->bhnm", df_den, v)
+    da = e * (dp - ((jnp.sum(f * df, -1) - dlse)[..., None] / den))
+    domega = jnp.einsum("bhnm,bhmd->bhnd", da, kh)
+    dkh = jnp.einsum("bhnm,bhnd->bhmd", da, omega) - jnp.sum(da, axis=2)[..., None] * kh
+    dv = jnp.einsum("bhnm,bhnd->bhmd", e, df_den)
+    return domega, dkh, dv, None
+
+
+_key_stats_vjp.defvjp(_key_stats_fwd, _key_stats_bwd)
+
+
+class QuerySpec(NamedTuple):
+    """Static settings of `query_weights`: ``opt`` (the ``mis="opt"`` correction), its
+    ``gamma`` (``alpha_coeff``) and ``per`` (terms per proposal)."""
+
+    opt: bool
+    gamma: float
+    per: int
+
+
+def _alpha(bh, r, masks, spec):
+    """MIS weights ``alpha_nt = bh_t + gamma (r_{n c_t} - mean_c r_nc)`` ``[B, H, N, Tq]``
+    (``[B, H, N, 1]``, bh alone, without the correction)."""
+    alpha = bh[..., None]
+    if not spec.opt:
+        return alpha
+    if masks is None:
+        corr = r - jnp.mean(r, axis=2, keepdims=True)
+    else:
+        cv = masks[2]
+        n_c = jnp.maximum(jnp.sum(cv, axis=2, keepdims=True), 1)
+        corr = r - jnp.sum(jnp.where(cv, r, 0.0), axis=2, keepdims=True) / n_c
+    return alpha + spec.gamma * (corr if spec.per == 1 else jnp.repeat(corr, spec.per, axis=2))
+
+
+def query_weights(omega, q_bar, qh, c, bh, f, masks, spec, seq_axis=None):
+    """LARA's estimate from the key statistics: ``(out, (w, den, r))``.
+
+    ``out_n = sum_t w_nt f_t / sum_t w_nt`` ``[B, Tq, H, Dv]`` with
+    ``w_nt = max(alpha_nt, ALPHA_FLOOR) exp(s_nt - max_t s_nt)``, ``s_nt = omega_t . q^_n + c_t``
+    (``c = lse - log g_own``) and `_alpha` of ``r_nc = softmax_n(q~_c . q^_n)`` ``[B, H, L,
+    Tq]`` (None unless ``spec.opt``). Heads-first: `omega` ``[B, H, N, d]``, `q_bar` ``[B,
+    H, L, d]``, `qh` ``[B, H, Tq, d]``, `c`, `bh` ``[B, H, N]``, `f` ``[B, H, N, Dv]``;
+    `masks` None or ``(term_valid [B, 1, N, 1], q_valid [B, 1, 1, Tq], valid_c [B, 1, L,
+    1])``; `spec` a `QuerySpec`. `seq_axis`: the queries are split over that mesh axis (the
+    softmax over n in r runs over it).
+    """
+    r = None
+    if spec.opt:
+        logits = jnp.einsum("bhcd,bhqd->bhcq", q_bar, qh)
+        if masks is not None:
+            r = masked_softmax(logits, masks[1] & masks[2], -1, seq_axis)
+        elif seq_axis is not None:
+            r = masked_softmax(logits, True, -1, seq_axis)
+        else:
+            r = jax.nn.softmax(logits, axis=-1)
+    s = jnp.einsum("bhnd,bhqd->bhnq", omega, qh) + c[..., None]
+    if masks is not None:
+        s = jnp.where(masks[0], s, -jnp.inf)
+        s_max = lax.stop_gradient(core.masked_max(s, masks[0], 2))
+    else:
+        s_max = lax.stop_gradient(jnp.max(s, axis=2, keepdims=True))
+    w = jnp.maximum(_alpha(bh, r, masks, spec), ALPHA_FLOOR) * jnp.exp(s - s_max)
+    den = jnp.sum(w, axis=2, keepdims=True)  # [B, H, 1, Tq]
+    if masks is not None:
+        den = jnp.where(den > 0, den, 1.0)
+    den_t = jnp.transpose(den, (0, 3, 1, 2))  # [B, Tq, H, 1]
+    return jnp.einsum("bhnq,bhnd->bqhd", w, f) / den_t, (w, den_t, r)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _query_weights_vjp(omega, q_bar, qh, c, bh, f, masks, spec):
+    return query_weights(omega, q_bar, qh, c, bh, f, masks, spec)[0]
+
+
+def _query_weights_fwd(omega, q_bar, qh, c, bh, f, masks, spec):
+    out, (w, den_t, r) = query_weights(omega, q_bar, qh, c, bh, f, masks, spec)
+    return out, (omega, q_bar, qh, bh, f, masks, w, den_t, r, out)
+
+
+def _query_weights_bwd(spec, res, dout):
+    # With A = w / den: ds = A (f . dout - out . dout) (a softmax over t), and
+    # d alpha = ds / max(alpha, floor) where alpha > floor; 1/den is folded into dout.
+    omega, q_bar, qh, bh, f, masks, w, den_t, r, out = res
+    dout_den = dout / den_t
+    g = jnp.einsum("bhnd,bqhd->bhnq", f, dout_den)
+    o = jnp.transpose(jnp.sum(out * dout_den, -1), (0, 2, 1))[:, :, None, :]  # [B, H, 1, Tq]
+    ds = w * (g - o)
+    df = jnp.einsum("bhnq,bqhd->bhnd", w, dout_den)
+    alpha = _alpha(bh, r, masks, spec)
+    dalpha = jnp.where(alpha > ALPHA_FLOOR, ds / jnp.maximum(alpha, ALPHA_FLOOR), 0.0)
+    dbh = jnp.sum(dalpha, axis=-1)
+    domega = jnp.einsum("bhnq,bhqd->bhnd", ds, qh)
+    dqh = jnp.einsum("bhnq,bhnd->bhqd", ds, omega)
+    dq_bar = jnp.zeros_like(q_bar)
+    if spec.opt:
+        dcorr = spec.gamma * dalpha
+        if spec.per > 1:
+            b, h, _, tq = dcorr.shape
+            dcorr = dcorr.reshape(b, h, -1, spec.per, tq)
+        dr_own = dcorr if spec.per == 1 else jnp.sum(dcorr, axis=3)  # [B, H, L, Tq]
+        total = jnp.sum(dr_own, axis=2, keepdims=True)
+        if masks is None:
+            dr = dr_own - total / r.shape[2]
+        else:
+            cv = masks[2]
+            n_c = jnp.maximum(jnp.sum(cv, axis=2, keepdims=True), 1)
+            dr = dr_own - jnp.where(cv, total / n_c, 0.0)
+        dlogits = r * (dr - jnp.sum(r * dr, axis=-1, keepdims=True))
+        dq_bar = jnp.einsum("bhcq,bhqd->bhcd", dlogits, qh)
+        dqh = dqh + jnp.einsum("bhcq,bhcd->bhqd", dlogits, q_bar)
+    return domega, dq_bar, dqh, jnp.sum(ds, axis=-1), dbh, df, None
+
+
+_query_weights_vjp.defvjp(_query_weights_fwd, _query_weights_bwd)
 
 
 def lara_reference(
@@ -492,7 +624,8 @@ def lara_reference(
 
 def _lara_reference(q, k, v, mask, t, cfg):
     """`lara_reference` from the drawn terms `t` (`_lara_terms`) and the config `cfg`."""
-    qh, kh, omega, mu = t["qh"], t["kh"], t["omega"], t["mu"]
+    qh, kh = core.scale_inputs(q), core.scale_inputs(k)
+    omega, mu = t["omega"], t["mu"]
     b, tq, h, _ = q.shape
     tk = k.shape[1]
     kv = core.key_mask(mask, tk, b)

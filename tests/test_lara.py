@@ -41,8 +41,11 @@ import linattn_jax as la
         dict(num_landmarks=4, tq=9, tk=13, alpha_coeff=0.5),  # cross attention; Tk % C != 0
         dict(num_landmarks=3, num_samples=2, noise_scale=1.0, proposal="adaptive-1d"),
         dict(num_landmarks=4, grid=(3, 3), proposal="pool", mixed=True, masked=True, tq=13),
+        # gamma = 8: about a tenth of the opt weights fall below the floor (the clamp binds).
+        dict(num_landmarks=4, num_samples=2, alpha_coeff=8.0, masked=True),
     ],
-    ids=["opt", "bh-S3-grid", "antithetic-learned-T<C", "det", "cross", "adaptive", "pool-mixed"],
+    ids=["opt", "bh-S3-grid", "antithetic-learned-T<C", "det", "cross", "adaptive", "pool-mixed"]
+    + ["clamped"],
 )
 def test_lara_matches_reference(cfg):
     """Fast path == straightforward reference (same draws), forward and gradients."""

@@ -21,6 +21,8 @@ one module each:
   attention at an equal feature budget.
 * ``equivalence`` (`equivalence`): a random-feature mechanism trained beside a stand-in of
   its public algorithm in the same model, config and seeds (curves and accuracies).
+* ``official`` (`official`): our LARA beside the official PyTorch code (a checkout given by
+  ``--repo``), forward and forward+backward, torch on as many threads as XLA's cores.
 * ``parallel`` (`parallel`): per-device memory of sequence-parallel attention.
 * ``report`` (`summary`): the markdown summary (ratios at one T, crossing points, growth per
   doubling, fidelity and model tables) from the JSON files of the other subcommands.

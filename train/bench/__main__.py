@@ -16,6 +16,7 @@ from train.bench import (
     isolation,
     kernel_fit,
     model,
+    official,
     parallel,
     scaling,
     summary,
@@ -49,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     equivalence.add_arguments(
         sub.add_parser("equivalence", help="train a mechanism beside its public algorithm")
     )
+    official.add_arguments(
+        sub.add_parser("official", help="our LARA beside the official PyTorch code, equal cores")
+    )
     parallel.add_arguments(
         sub.add_parser("parallel", help="per-device memory of sequence-parallel attention")
     )
@@ -76,6 +80,8 @@ def main(argv: Sequence[str] | None = None) -> dict | str | list:
         return kernel_fit.main_from_args(args)
     if args.command == "equivalence":
         return equivalence.main_from_args(args)
+    if args.command == "official":
+        return official.main_from_args(args)
     if args.command == "parallel":
         return parallel.main_from_args(args, parser)
     if args.command == "report":

@@ -1,0 +1,236 @@
+"""Our LARA against the official PyTorch code, side by side at equal cores:
+``python -m train.bench official --repo PATH``.
+
+`PATH` is a checkout of HKUNLP/efficient-attention (``git clone
+https://github.com/HKUNLP/efficient-attention``); its ``LinearRA`` is loaded from there, not
+copied. It needs ``torch`` and ``einops`` (``pip install torch==2.13.0 einops``), which the
+project does not depend on. The package's ``__init__`` imports every attention of the
+repository (and timm); only ``abstract_attention``, ``attn_utils`` and ``lara`` are loaded,
+with timm's ``trunc_normal_`` (used at init only) taken from torch.
+
+What is timed: the attention from q, k, v to the heads' outputs, forward (no autograd state
+on the torch side) and forward+backward (gradients of q, k, v for a fixed cotangent), each
+side in its own layout (ours ``[B, T, H, d]``, theirs ``[B, H, T, d]`` contiguous), in
+training mode (one noisy draw per landmark proposal, ``mis-opt``, ``proposal_gen="pool"``,
+which on a sequence is our ``proposal="mean"``). The module's input and output projections
+are bypassed (``proj_and_split_heads`` returns the given q, k, v; ``proj`` is the
+identity). Calls alternate (one of ours, one of theirs) and each side's minimum over
+`repeats` calls is reported, so both see the same machine state. torch gets as many
+threads as the cores XLA uses (`cpu_cores`), and the thread count is part of every row.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+import types
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from linattn_jax import lara
+from train.bench import common
+
+_FILES = ("abstract_attention", "attn_utils", "lara")
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (what XLA's CPU thread pool uses)."""
+    return len(os.sched_getaffinity(0))
+
+
+def load_linear_ra(repo: str):
+    """The official ``LinearRA`` class from the checkout `repo` (see the module docstring).
+
+    Raises FileNotFoundError naming the missing file, or ImportError saying what to install.
+    """
+    pkg_dir = os.path.join(repo, "efficient-attention", "efficient_attention")
+    for name in _FILES:
+        path = os.path.join(pkg_dir, name + ".py")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"official: {path} not found; --repo must be a checkout of "
+                "https://github.com/HKUNLP/efficient-attention"
+            )
+    try:
+        import einops  # noqa: F401  (attn_utils imports it)
+        import torch
+    except ImportError as e:
+        raise ImportError(
+            f"official: the official code needs torch and einops ({e}); "
+            "pip install torch==2.13.0 einops"
+        ) from e
+    layers = types.ModuleType("timm.models.layers")
+    layers.trunc_normal_ = torch.nn.init.trunc_normal_
+    pkg = types.ModuleType("efficient_attention")
+    pkg.__path__ = [pkg_dir]
+    pkg.add_nested_argument = lambda *args, **kwargs: None  # argparse helper, unused
+    saved = {n: sys.modules.get(n) for n in ("timm", "timm.models", "timm.models.layers")}
+    sys.modules.update(
+        {
+            "timm": types.ModuleType("timm"),
+            "timm.models": types.ModuleType("timm.models"),
+            "timm.models.layers": layers,
+            "efficient_attention": pkg,
+        }
+    )
+    try:
+        modules = {}
+        for name in _FILES:
+            spec = importlib.util.spec_from_file_location(
+                f"efficient_attention.{name}", os.path.join(pkg_dir, name + ".py")
+            )
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+            modules[name] = module
+            if name == "abstract_attention":
+                pkg.MultiheadAttention = module.MultiheadAttention
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+    return modules["lara"].LinearRA
+
+
+def official_lara(linear_ra, *, heads: int, head_dim: int, num_landmarks: int, train: bool):
+    """``attend(q, k, v) -> [B, T, H * d]``: the official module's attention on the given
+    heads-first torch tensors (projections bypassed)."""
+    import torch
+
+    module = linear_ra(
+        num_landmarks=num_landmarks, proposal_gen="pool", dim=heads * head_dim, num_heads=heads
+    )
+    module.proj = torch.nn.Identity()
+    module.train(train)
+
+    def attend(q, k, v):
+        module.proj_and_split_heads = lambda x: (q, k, v)
+        return module(torch.empty(q.shape[0], q.shape[2], heads * head_dim))
+
+    return attend
+
+
+def interleaved_min(a: Callable[[], object], b: Callable[[], object], repeats: int):
+    """``(min ms of a, min ms of b)`` over `repeats` alternating calls, after two warm-ups each."""
+    for _ in range(2):
+        a()
+        b()
+    ta, tb = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a()
+        ta.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        b()
+        tb.append(time.perf_counter() - t0)
+    return min(ta) * 1e3, min(tb) * 1e3
+
+
+def _pair(linear_ra, seq_len, args):
+    """Our and the official callables at one length: ``{mode: (ours, theirs)}``."""
+    import torch
+
+    b, h, d = args.batch, args.heads, args.head_dim
+    q, k, v, g = common.random_qkv(b, seq_len, h, d, seed=0)
+    key = jax.random.key(0)
+    config = {"num_landmarks": args.num_landmarks}
+
+    def ours(q, k, v):
+        return lara.lara_attention(q, k, v, {}, key, **config)
+
+    fwd = jax.jit(ours)
+    fb = jax.jit(jax.grad(lambda q, k, v: jnp.sum(ours(q, k, v) * g), argnums=(0, 1, 2)))
+    tq, tk, tv = (torch.from_numpy(np.asarray(x).transpose(0, 2, 1, 3).copy()) for x in (q, k, v))
+    tg = torch.from_numpy(np.array(g).reshape(b, seq_len, h * d))
+    attend = official_lara(
+        linear_ra, heads=h, head_dim=d, num_landmarks=args.num_landmarks, train=True
+    )
+
+    def theirs_fwd():
+        with torch.no_grad():
+            return attend(tq, tk, tv)
+
+    def theirs_fb():
+        grads = [x.clone().requires_grad_() for x in (tq, tk, tv)]
+        attend(*grads).backward(tg)
+        return [x.grad for x in grads]
+
+    return {
+        "forward": (lambda: jax.block_until_ready(fwd(q, k, v)), theirs_fwd),
+        "forward+backward": (lambda: jax.block_until_ready(fb(q, k, v)), theirs_fb),
+    }
+
+
+def run(args) -> dict:
+    """The table: one row per (length, mode) with both minima, their ratio and torch's threads."""
+    import torch
+
+    linear_ra = load_linear_ra(args.repo)
+    threads = args.threads or cpu_cores()
+    torch.set_num_threads(threads)
+    rows = []
+    for seq_len in args.seq_lens:
+        for mode, (ours, theirs) in _pair(linear_ra, seq_len, args).items():
+            ms_ours, ms_theirs = interleaved_min(ours, theirs, args.repeats)
+            rows.append(
+                {
+                    "seq_len": seq_len,
+                    "mode": mode,
+                    "ours_ms": ms_ours,
+                    "official_ms": ms_theirs,
+                    "speedup": ms_theirs / ms_ours,
+                    "torch_threads": torch.get_num_threads(),
+                    "xla_cores": cpu_cores(),
+                }
+            )
+            print(
+                f"T={seq_len:>6} {mode:>16}: ours {ms_ours:8.1f} ms, official {ms_theirs:8.1f} ms"
+                f" ({ms_theirs / ms_ours:.2f}x), torch on {rows[-1]['torch_threads']} threads,"
+                f" XLA on {cpu_cores()} cores",
+                flush=True,
+            )
+    return {
+        "kind": "official",
+        "environment": {**common.environment(), "torch": torch.__version__},
+        "config": {
+            "batch": args.batch,
+            "heads": args.heads,
+            "head_dim": args.head_dim,
+            "num_landmarks": args.num_landmarks,
+            "repeats": args.repeats,
+        },
+        "rows": rows,
+    }
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--repo", required=True, help="a checkout of HKUNLP/efficient-attention")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--num-landmarks", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: the cores XLA uses)"
+    )
+    p.add_argument("--out", default=None, help="write the JSON result here")
+
+
+def main_from_args(args) -> dict:
+    if args.threads is not None and args.threads != cpu_cores():
+        print(
+            f"official: torch on {args.threads} threads, XLA on {cpu_cores()} cores: "
+            "the sides do not have equal cores",
+            file=sys.stderr,
+        )
+    result = run(args)
+    common.write_json(result, args.out)
+    return result
