@@ -180,11 +180,12 @@ def test_freq_move_and_attn_tv_by_hand():
 
 def _check_attn_tv(diag, state, layer_paths):
     """``attn_tv``: 0 at init, and 0 when only the rest of the model moves (it compares the
-    current and the init kernel on the same, current, q and k). Layer 1's frequencies set to
+    current and the init kernel on the same, current, q and k), both to float32 rounding (the
+    two weight computations are separate programs). Layer 1's frequencies set to
     0 make its kernel constant, hence its rows uniform over the visible keys: the entry is
     then (0 + layer 1's mean total variation between uniform rows and its init rows) / 2,
     computed here from the captured q, k."""
-    assert diag.start["kernel/attn_tv"] == 0.0
+    assert diag.start["kernel/attn_tv"] < 1e-6
 
     def under_mechanism(path):
         return "mechanism" in [str(getattr(p, "key", "")) for p in path]
@@ -192,7 +193,7 @@ def _check_attn_tv(diag, state, layer_paths):
     others = jax.tree_util.tree_map_with_path(
         lambda path, x: x if under_mechanism(path) else 1.3 * x, state.params
     )
-    assert diag(state.replace(params=others))["kernel/attn_tv"] == 0.0
+    assert diag(state.replace(params=others))["kernel/attn_tv"] < 1e-6
 
     def flatten(path, x):
         names = [str(getattr(p, "key", "")) for p in path]

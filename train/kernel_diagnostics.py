@@ -23,8 +23,8 @@ computes, every ``log_every`` steps, on a small fixed probe batch (the first
   variation ``1/2 sum_j |w_ij - w0_ij|`` between each attention row under the current
   mechanism params (``w``) and under their init values (``w0``), everything else (the
   model's q, k, v) current, over the probe's visible pairs; averaged over the rows with a
-  visible key, heads and layers (`attention_tv`). 0 at init, 1 for rows of disjoint
-  supports (rows with negative weights: half their l1 distance, which can exceed 1);
+  visible key, heads and layers (`attention_tv`). 0 at init (to rounding), 1 for rows of
+  disjoint supports (rows with negative weights: half their l1 distance, which can exceed 1);
 - ``kernel/neg_weight_frac``: the share of negative normalised attention weights over the
   probe's visible (query, key) pairs, every layer;
 - ``kernel/entropy_ratio``: the attention rows' entropy over the uniform row's ``log n``
