@@ -7,7 +7,6 @@ landmarks and combines them by self-normalised multiple importance sampling (MIS
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -15,14 +14,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from linattn_jax import _checks, _seq, core, landmarks
+from linattn_jax import _checks, core, landmarks, lara_core
+from linattn_jax.lara_core import ALPHA_FLOOR
 from linattn_jax.ra_common import check_samples, masked_softmax, sq_half
 from linattn_jax.registry import Mechanism, register
 
 _f32 = jnp.float32
 
-#: LARA's MIS weights alpha are clamped below at this value before the log.
-ALPHA_FLOOR = 1e-8
 #: LayerNorm epsilon of the learned proposal.
 LN_EPS = 1e-5
 
@@ -332,9 +330,9 @@ def lara_attention(
     serves both f (softmax) and the p~ normaliser (logsumexp); ``-|q^_n|^2 / 2`` is
     dropped (constant over terms, it cancels in the softmax over t); the final weights
     are ``max(alpha, floor) exp(log p~ - log g - max)`` in linear space (no log of
-    alpha); no mask arrays when `mask` is None. The two T-long parts (`key_stats`,
-    `query_weights`) have hand-written VJPs: they keep the forward's exponentials and take
-    fewer passes over the ``[B, H, N, T]`` arrays than autodiff of the forward.
+    alpha); no mask arrays when `mask` is None. The two T-long parts
+    (`linattn_jax.lara_core`) have hand-written VJPs: they keep the forward's exponentials
+    and take fewer passes over the ``[B, H, N, T]`` arrays than autodiff of the forward.
 
     Args:
       q: ``[B, Tq, H, Dk]``.
@@ -375,19 +373,14 @@ def _lara(q, k, v, mask, t, cfg, seq_axis=None):
     """`lara_attention` from the drawn terms `t` (`_lara_terms`) and the config `cfg`;
     `seq_axis`: the mesh axis the sequence is split over (`lara_sharded`).
 
-    The two T-long parts, the key statistics (`key_stats`) and the query weights
-    (`query_weights`), carry hand-written VJPs on one device; inside ``shard_map`` (where
-    their sums run over the devices) autodiff differentiates the same forward code.
+    The two T-long parts are `linattn_jax.lara_core`'s (hand-written VJPs on one device).
     """
     qh, kh = (_heads(core.scale_inputs(x)) for x in (q, k))  # [B, H, T, d]
     v32 = _heads(v.astype(_f32))
     omega, mu = _heads(t["omega"]), _heads(t["mu"])  # [B, H, N, d], [B, H, L, d]
     masked = mask is not None
     kmask = mask[:, None, None, :] if masked else None  # [B, 1, 1, Tk]
-    if seq_axis is None:
-        f, lse = _key_stats_vjp(omega, kh, v32, kmask)
-    else:
-        f, lse = key_stats(omega, kh, v32, kmask, seq_axis)[0]
+    f, lse = lara_core.key_stats(omega, kh, v32, kmask, seq_axis)
 
     # Proposals: log g_c(omega_t) for every c and the term's own: [B, H, N, L], [B, H, N].
     log_g = jnp.einsum("bhnd,bhcd->bhnc", omega, mu) - sq_half(mu)[:, :, None, :]
@@ -405,13 +398,10 @@ def _lara(q, k, v, mask, t, cfg, seq_axis=None):
     else:
         bh = jnp.exp(log_g_own - jax.nn.logsumexp(log_g, axis=-1))
         masks = None
-    spec = QuerySpec(cfg.mis == "opt", float(cfg.alpha_coeff), t["per"])
+    spec = lara_core.QuerySpec(cfg.mis == "opt", float(cfg.alpha_coeff), t["per"])
     # Queries: log p~_n(omega_t) - log g_own = omega_t . q^_n + c_t, up to -|q^_n|^2 / 2.
-    args = (omega, _heads(t["q_bar"]), qh, lse - log_g_own, bh, f, masks)
-    if seq_axis is None:
-        out = _query_weights_vjp(*args, spec)
-    else:
-        out = query_weights(*args, spec, seq_axis)[0]
+    c = lse - log_g_own
+    out = lara_core.query_weights(omega, _heads(t["q_bar"]), qh, c, bh, f, masks, spec, seq_axis)
     return out.astype(q.dtype)
 
 
@@ -428,162 +418,6 @@ def lara_sharded(q, k, v, params, noise, *, mask=None, deterministic=False, seq_
     cfg = _Cfg(**{key: config[key] for key in _Cfg._fields})
     t = _lara_terms(q, k, params, None, mask, deterministic, cfg, seq_axis, noise)
     return _lara(q, k, v, mask, t, cfg, seq_axis)
-
-
-def key_stats(omega, kh, v, mask=None, seq_axis=None):
-    """LARA's key statistics per term: ``((f, lse), (e, den))``.
-
-    With ``a_tm = log xi(k^_m, omega_t) = omega_t . k^_m - |k^_m|^2 / 2`` over keys m:
-    ``f_t = sum_m softmax_m(a_tm) v_m`` ``[B, H, N, Dv]`` and ``lse_t = logsumexp_m a_tm``
-    ``[B, H, N]``; one exponential ``e = exp(a - max_m a)`` ``[B, H, N, Tk]`` and its sum
-    ``den [B, H, N, 1]`` serve both (and the VJP). Heads-first: `omega` ``[B, H, N, d]``,
-    `kh` ``[B, H, Tk, d]``, `v` ``[B, H, Tk, Dv]``, `mask` None or ``[B, 1, 1, Tk]`` bool.
-    `seq_axis`: the keys are split over that mesh axis; the max and sums run over it.
-    """
-    a = jnp.einsum("bhnd,bhmd->bhnm", omega, kh) - sq_half(kh)[:, :, None, :]
-    if mask is not None:
-        a = jnp.where(mask, a, -jnp.inf)
-        m = _seq.masked_max(a, mask, -1, seq_axis)
-    else:
-        m = _seq.pmax(lax.stop_gradient(jnp.max(a, axis=-1, keepdims=True)), seq_axis)
-    e = jnp.exp(a - m)
-    den = _seq.psum(jnp.sum(e, axis=-1, keepdims=True), seq_axis)
-    if mask is not None:
-        den = jnp.where(den > 0, den, 1.0)
-    f = _seq.psum(jnp.einsum("bhnm,bhmd->bhnd", e, v), seq_axis) / den
-    return (f, (jnp.log(den) + m)[..., 0]), (e, den)
-
-
-@jax.custom_vjp
-def _key_stats_vjp(omega, kh, v, mask):
-    return key_stats(omega, kh, v, mask)[0]
-
-
-def _key_stats_fwd(omega, kh, v, mask):
-    (f, lse), (e, den) = key_stats(omega, kh, v, mask)
-    return (f, lse), (omega, kh, v, e, den, f)
-
-
-def _key_stats_bwd(res, cts):
-    # p = e / den; da = p (df . v - f . df + dlse), with 1/den folded into the small df.
-    omega, kh, v, e, den, f = res
-    df, dlse = cts
-    df_den = df / den
-    dp = jnp.einsum("bhnd,bhmd->bhnm", df_den, v)
-    da = e * (dp - ((jnp.sum(f * df, -1) - dlse)[..., None] / den))
-    domega = jnp.einsum("bhnm,bhmd->bhnd", da, kh)
-    dkh = jnp.einsum("bhnm,bhnd->bhmd", da, omega) - jnp.sum(da, axis=2)[..., None] * kh
-    dv = jnp.einsum("bhnm,bhnd->bhmd", e, df_den)
-    return domega, dkh, dv, None
-
-
-_key_stats_vjp.defvjp(_key_stats_fwd, _key_stats_bwd)
-
-
-class QuerySpec(NamedTuple):
-    """Static settings of `query_weights`: ``opt`` (the ``mis="opt"`` correction), its
-    ``gamma`` (``alpha_coeff``) and ``per`` (terms per proposal)."""
-
-    opt: bool
-    gamma: float
-    per: int
-
-
-def _alpha(bh, r, masks, spec):
-    """MIS weights ``alpha_nt = bh_t + gamma (r_{n c_t} - mean_c r_nc)`` ``[B, H, N, Tq]``
-    (``[B, H, N, 1]``, bh alone, without the correction)."""
-    alpha = bh[..., None]
-    if not spec.opt:
-        return alpha
-    if masks is None:
-        corr = r - jnp.mean(r, axis=2, keepdims=True)
-    else:
-        cv = masks[2]
-        n_c = jnp.maximum(jnp.sum(cv, axis=2, keepdims=True), 1)
-        corr = r - jnp.sum(jnp.where(cv, r, 0.0), axis=2, keepdims=True) / n_c
-    return alpha + spec.gamma * (corr if spec.per == 1 else jnp.repeat(corr, spec.per, axis=2))
-
-
-def query_weights(omega, q_bar, qh, c, bh, f, masks, spec, seq_axis=None):
-    """LARA's estimate from the key statistics: ``(out, (w, den, r))``.
-
-    ``out_n = sum_t w_nt f_t / sum_t w_nt`` ``[B, Tq, H, Dv]`` with
-    ``w_nt = max(alpha_nt, ALPHA_FLOOR) exp(s_nt - max_t s_nt)``, ``s_nt = omega_t . q^_n + c_t``
-    (``c = lse - log g_own``) and `_alpha` of ``r_nc = softmax_n(q~_c . q^_n)`` ``[B, H, L,
-    Tq]`` (None unless ``spec.opt``). Heads-first: `omega` ``[B, H, N, d]``, `q_bar` ``[B,
-    H, L, d]``, `qh` ``[B, H, Tq, d]``, `c`, `bh` ``[B, H, N]``, `f` ``[B, H, N, Dv]``;
-    `masks` None or ``(term_valid [B, 1, N, 1], q_valid [B, 1, 1, Tq], valid_c [B, 1, L,
-    1])``; `spec` a `QuerySpec`. `seq_axis`: the queries are split over that mesh axis (the
-    softmax over n in r runs over it).
-    """
-    r = None
-    if spec.opt:
-        logits = jnp.einsum("bhcd,bhqd->bhcq", q_bar, qh)
-        if masks is not None:
-            r = masked_softmax(logits, masks[1] & masks[2], -1, seq_axis)
-        elif seq_axis is not None:
-            r = masked_softmax(logits, True, -1, seq_axis)
-        else:
-            r = jax.nn.softmax(logits, axis=-1)
-    s = jnp.einsum("bhnd,bhqd->bhnq", omega, qh) + c[..., None]
-    if masks is not None:
-        s = jnp.where(masks[0], s, -jnp.inf)
-        s_max = lax.stop_gradient(core.masked_max(s, masks[0], 2))
-    else:
-        s_max = lax.stop_gradient(jnp.max(s, axis=2, keepdims=True))
-    w = jnp.maximum(_alpha(bh, r, masks, spec), ALPHA_FLOOR) * jnp.exp(s - s_max)
-    den = jnp.sum(w, axis=2, keepdims=True)  # [B, H, 1, Tq]
-    if masks is not None:
-        den = jnp.where(den > 0, den, 1.0)
-    den_t = jnp.transpose(den, (0, 3, 1, 2))  # [B, Tq, H, 1]
-    return jnp.einsum("bhnq,bhnd->bqhd", w, f) / den_t, (w, den_t, r)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _query_weights_vjp(omega, q_bar, qh, c, bh, f, masks, spec):
-    return query_weights(omega, q_bar, qh, c, bh, f, masks, spec)[0]
-
-
-def _query_weights_fwd(omega, q_bar, qh, c, bh, f, masks, spec):
-    out, (w, den_t, r) = query_weights(omega, q_bar, qh, c, bh, f, masks, spec)
-    return out, (omega, q_bar, qh, bh, f, masks, w, den_t, r, out)
-
-
-def _query_weights_bwd(spec, res, dout):
-    # With A = w / den: ds = A (f . dout - out . dout) (a softmax over t), and
-    # d alpha = ds / max(alpha, floor) where alpha > floor; 1/den is folded into dout.
-    omega, q_bar, qh, bh, f, masks, w, den_t, r, out = res
-    dout_den = dout / den_t
-    g = jnp.einsum("bhnd,bqhd->bhnq", f, dout_den)
-    o = jnp.transpose(jnp.sum(out * dout_den, -1), (0, 2, 1))[:, :, None, :]  # [B, H, 1, Tq]
-    ds = w * (g - o)
-    df = jnp.einsum("bhnq,bqhd->bhnd", w, dout_den)
-    alpha = _alpha(bh, r, masks, spec)
-    dalpha = jnp.where(alpha > ALPHA_FLOOR, ds / jnp.maximum(alpha, ALPHA_FLOOR), 0.0)
-    dbh = jnp.sum(dalpha, axis=-1)
-    domega = jnp.einsum("bhnq,bhqd->bhnd", ds, qh)
-    dqh = jnp.einsum("bhnq,bhnd->bhqd", ds, omega)
-    dq_bar = jnp.zeros_like(q_bar)
-    if spec.opt:
-        dcorr = spec.gamma * dalpha
-        if spec.per > 1:
-            b, h, _, tq = dcorr.shape
-            dcorr = dcorr.reshape(b, h, -1, spec.per, tq)
-        dr_own = dcorr if spec.per == 1 else jnp.sum(dcorr, axis=3)  # [B, H, L, Tq]
-        total = jnp.sum(dr_own, axis=2, keepdims=True)
-        if masks is None:
-            dr = dr_own - total / r.shape[2]
-        else:
-            cv = masks[2]
-            n_c = jnp.maximum(jnp.sum(cv, axis=2, keepdims=True), 1)
-            dr = dr_own - jnp.where(cv, total / n_c, 0.0)
-        dlogits = r * (dr - jnp.sum(r * dr, axis=-1, keepdims=True))
-        dq_bar = jnp.einsum("bhcq,bhqd->bhcd", dlogits, qh)
-        dqh = dqh + jnp.einsum("bhcq,bhcd->bhqd", dlogits, q_bar)
-    return domega, dq_bar, dqh, jnp.sum(ds, axis=-1), dbh, df, None
-
-
-_query_weights_vjp.defvjp(_query_weights_fwd, _query_weights_bwd)
 
 
 def lara_reference(

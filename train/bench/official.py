@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linattn_jax import lara
+import linattn_jax as la
 from train.bench import common
 
 _FILES = ("abstract_attention", "attn_utils", "lara")
@@ -143,7 +143,7 @@ def _pair(linear_ra, seq_len, args):
     config = {"num_landmarks": args.num_landmarks}
 
     def ours(q, k, v):
-        return lara.lara_attention(q, k, v, {}, key, **config)
+        return la.get("lara").attention_fn(q, k, v, {}, key, **config)
 
     fwd = jax.jit(ours)
     fb = jax.jit(jax.grad(lambda q, k, v: jnp.sum(ours(q, k, v) * g), argnums=(0, 1, 2)))
