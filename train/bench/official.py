@@ -10,7 +10,9 @@ with timm's ``trunc_normal_`` (used at init only) taken from torch.
 
 What is timed: the attention from q, k, v to the heads' outputs, forward (no autograd state
 on the torch side) and forward+backward (gradients of q, k, v for a fixed cotangent), each
-side in its own layout (ours ``[B, T, H, d]``, theirs ``[B, H, T, d]`` contiguous), in
+side in its own layout: ours ``[B, T, H, d]`` (what flax's projections give), theirs two
+ways, ``[B, H, T, d]`` contiguous tensors and the heads-first views of one ``[B, T, 3, H,
+d]`` tensor that the official module's own projection gives (``torch_inputs``), in
 training mode (one noisy draw per landmark proposal, ``mis-opt``, ``proposal_gen="pool"``,
 which on a sequence is our ``proposal="mean"``). The module's input and output projections
 are bypassed (``proj_and_split_heads`` returns the given q, k, v; ``proj`` is the
@@ -134,7 +136,10 @@ def interleaved_min(a: Callable[[], object], b: Callable[[], object], repeats: i
 
 
 def _pair(linear_ra, seq_len, args):
-    """Our and the official callables at one length: ``{mode: (ours, theirs)}``."""
+    """Our and the official callables at one length: ``{(mode, torch_inputs): (ours,
+    theirs)}``. ``torch_inputs``: ``"contiguous"`` (q, k, v as contiguous ``[B, H, T, d]``
+    tensors) or ``"module"`` (the heads-first views of one ``[B, T, 3, H, d]`` tensor, as the
+    official module's ``proj_and_split_heads`` makes them; gradients land in that tensor)."""
     import torch
 
     b, h, d = args.batch, args.heads, args.head_dim
@@ -147,25 +152,72 @@ def _pair(linear_ra, seq_len, args):
 
     fwd = jax.jit(ours)
     fb = jax.jit(jax.grad(lambda q, k, v: jnp.sum(ours(q, k, v) * g), argnums=(0, 1, 2)))
-    tq, tk, tv = (torch.from_numpy(np.asarray(x).transpose(0, 2, 1, 3).copy()) for x in (q, k, v))
+    calls = {
+        "forward": lambda: jax.block_until_ready(fwd(q, k, v)),
+        "forward+backward": lambda: jax.block_until_ready(fb(q, k, v)),
+    }
     tg = torch.from_numpy(np.array(g).reshape(b, seq_len, h * d))
     attend = official_lara(
         linear_ra, heads=h, head_dim=d, num_landmarks=args.num_landmarks, train=True
     )
+    contiguous = [
+        torch.from_numpy(np.asarray(x).transpose(0, 2, 1, 3).copy()).requires_grad_()
+        for x in (q, k, v)
+    ]
+    qkv = torch.from_numpy(np.stack([np.asarray(x) for x in (q, k, v)], axis=2))
+    qkv.requires_grad_()
+    leaves = {"contiguous": contiguous, "module": [qkv]}
+    views = {
+        "contiguous": lambda: contiguous,
+        "module": lambda: qkv.permute(2, 0, 3, 1, 4).unbind(0),
+    }
 
-    def theirs_fwd():
-        with torch.no_grad():
-            return attend(tq, tk, tv)
+    def theirs(inputs, backward):
+        def call():
+            if not backward:
+                with torch.no_grad():
+                    return attend(*views[inputs]())
+            for leaf in leaves[inputs]:
+                leaf.grad = None
+            attend(*views[inputs]()).backward(tg)
+            return [leaf.grad for leaf in leaves[inputs]]
 
-    def theirs_fb():
-        grads = [x.clone().requires_grad_() for x in (tq, tk, tv)]
-        attend(*grads).backward(tg)
-        return [x.grad for x in grads]
+        return call
 
     return {
-        "forward": (lambda: jax.block_until_ready(fwd(q, k, v)), theirs_fwd),
-        "forward+backward": (lambda: jax.block_until_ready(fb(q, k, v)), theirs_fb),
+        (mode, inputs): (calls[mode], theirs(inputs, mode != "forward"))
+        for mode in calls
+        for inputs in ("contiguous", "module")
     }
+
+
+def gemm_rates(seq_len, args, repeats):
+    """GFLOP/s of LARA's two product shapes per head, XLA against torch (same threads):
+    ``"scores"`` (``[C, d] x [d, T]``: the key and query logits) and ``"over_T"`` (``[C, T] x
+    [T, d]``: f and the gradients that sum over tokens), interleaved as the attention is."""
+    import torch
+
+    h, d, c = args.heads, args.head_dim, args.num_landmarks
+    keys = jax.random.split(jax.random.key(2), 3)
+    w = jax.random.normal(keys[0], (h, c, d), jnp.float32)
+    x = jax.random.normal(keys[1], (h, seq_len, d), jnp.float32)
+    e = jax.random.normal(keys[2], (h, c, seq_len), jnp.float32)
+    tw, tx, te = (torch.from_numpy(np.array(a)) for a in (w, x, e))
+    flops = 2 * h * c * seq_len * d
+    shapes = {
+        "scores": (jax.jit(lambda w, x: jnp.einsum("hcd,htd->hct", w, x)), (w, x), "hcd,htd->hct"),
+        "over_T": (jax.jit(lambda e, x: jnp.einsum("hct,htd->hcd", e, x)), (e, x), "hct,htd->hcd"),
+    }
+    torch_args = {"scores": (tw, tx), "over_T": (te, tx)}
+    out = {}
+    for name, (fn, xla_args, spec) in shapes.items():
+        ms_xla, ms_torch = interleaved_min(
+            lambda fn=fn, a=xla_args: jax.block_until_ready(fn(*a)),
+            lambda spec=spec, a=torch_args[name]: torch.einsum(spec, *a),
+            repeats,
+        )
+        out[name] = {"xla_gflops": flops / ms_xla / 1e6, "torch_gflops": flops / ms_torch / 1e6}
+    return out
 
 
 def run(args) -> dict:
@@ -177,12 +229,13 @@ def run(args) -> dict:
     torch.set_num_threads(threads)
     rows = []
     for seq_len in args.seq_lens:
-        for mode, (ours, theirs) in _pair(linear_ra, seq_len, args).items():
+        for (mode, inputs), (ours, theirs) in _pair(linear_ra, seq_len, args).items():
             ms_ours, ms_theirs = interleaved_min(ours, theirs, args.repeats)
             rows.append(
                 {
                     "seq_len": seq_len,
                     "mode": mode,
+                    "torch_inputs": inputs,
                     "ours_ms": ms_ours,
                     "official_ms": ms_theirs,
                     "speedup": ms_theirs / ms_ours,
@@ -191,13 +244,26 @@ def run(args) -> dict:
                 }
             )
             print(
-                f"T={seq_len:>6} {mode:>16}: ours {ms_ours:8.1f} ms, official {ms_theirs:8.1f} ms"
+                f"T={seq_len:>6} {mode:>16} (torch {inputs:>10}): ours {ms_ours:8.1f} ms, "
+                f"official {ms_theirs:8.1f} ms"
                 f" ({ms_theirs / ms_ours:.2f}x), torch on {rows[-1]['torch_threads']} threads,"
                 f" XLA on {cpu_cores()} cores",
                 flush=True,
             )
+    gemm = {}
+    for seq_len in args.seq_lens:
+        gemm[seq_len] = gemm_rates(seq_len, args, args.repeats)
+        print(
+            f"T={seq_len:>6} GFLOP/s per product shape, XLA / torch: "
+            + ", ".join(
+                f"{k} {v['xla_gflops']:.0f} / {v['torch_gflops']:.0f}"
+                for k, v in gemm[seq_len].items()
+            ),
+            flush=True,
+        )
     return {
         "kind": "official",
+        "gemm": gemm,
         "environment": {**common.environment(), "torch": torch.__version__},
         "config": {
             "batch": args.batch,
