@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from linattn_jax import registry
 from linattn_jax.registry import causal_names
 
 
@@ -167,21 +168,25 @@ def matmul_precision(name, precision):
 
 
 def refuse_unsupported(name, *, bias=None, dropout_rate=0.0, module=None, einsums=(None, None)):
-    """ValueError naming the first flax option a non-softmax attention cannot apply."""
+    """ValueError naming the first flax option mechanism `name` cannot apply; the message
+    names the mechanisms whose records can (`Mechanism.flax_fn`, `attention_dropout`)."""
+    records = {n: registry.get(n) for n in registry.names()}
     if bias is not None:
+        takes = [n for n, m in records.items() if m.flax_fn is not None]
         raise ValueError(
-            f"bias: {name} cannot add an attention bias (got shape {jnp.shape(bias)}); only "
-            "attention='softmax' takes one"
+            f"bias: {name} cannot add an attention bias (got shape {jnp.shape(bias)}); the "
+            f"mechanisms with flax's bias: {takes}"
         )
     if dropout_rate > 0:
+        takes = [n for n, m in records.items() if m.attention_dropout]
         raise ValueError(
-            f"dropout_rate={dropout_rate}: {name} forms no attention weights to drop out; set "
-            "dropout_rate=0 (only attention='softmax' applies attention dropout)"
+            f"dropout_rate={dropout_rate}: {name} applies no attention dropout; set "
+            f"dropout_rate=0 (the mechanisms that apply it: {takes})"
         )
     if module is not None:
         raise ValueError(
-            f"sow_weights=True: {name} forms no [batch, heads, q_len, kv_len] attention "
-            "weights to sow; only attention='softmax' does"
+            f"sow_weights=True: {name} cannot sow [batch, heads, q_len, kv_len] attention "
+            "weights; only attention='softmax' forms them"
         )
     if any(einsums):
         raise ValueError(
