@@ -7,9 +7,9 @@
 # $OUT. PARTS picks the parts (default "tests kernels scaling causal"); each stops at its own
 # timeout (*_TIMEOUT_S: 300, 240, 400, 300 s), so on a leased machine with a 10-minute command
 # limit run them in two or three calls. Seen on an H200 (jax 0.11.2): the tests take 150 s with 4
-# processes, the kernel bench over 110 s (stop 45: its last rows, Newton-Schulz at m = 256, were
-# cut), the scaling about 25 s per mechanism and performer's peer stand-in about 100 s, the causal
-# part about 130 s per form (stop 47).
+# processes, the kernel bench over 110 s (at its 240 s limit its last rows, Newton-Schulz at m = 256,
+# were cut), the scaling about 25 s per mechanism and performer's peer stand-in about 100 s, the causal
+# part about 130 s per form.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cuda
 # Several test processes share the GPU: no process may take 75% of its memory up front.
