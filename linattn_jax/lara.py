@@ -332,7 +332,8 @@ def lara_attention(
     are ``max(alpha, floor) exp(log p~ - log g - max)`` in linear space (no log of
     alpha); no mask arrays when `mask` is None. The two T-long parts
     (`linattn_jax.lara_core`) have hand-written VJPs: they keep the forward's exponentials
-    and take fewer passes over the ``[B, H, N, T]`` arrays than autodiff of the forward.
+    and take fewer passes over the ``[B, H, N, T]`` arrays than autodiff of the forward
+    (reverse mode only: ``jax.jvp`` through lara raises).
 
     Args:
       q: ``[B, Tq, H, Dk]``.

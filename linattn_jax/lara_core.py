@@ -14,7 +14,8 @@ with the normalisers folded into the small ``[B, H, N, Dv]`` / ``[B, Tq, H, Dv]`
 cotangents. They keep the forward's exponentials (``e``, ``w``; ``r`` for ``mis="opt"``) and
 take fewer passes over the ``[B, H, N, T]`` arrays than autodiff of the forward does. Inside
 ``shard_map`` (`seq_axis`, where the sums run over the devices) autodiff differentiates the
-same forward code instead.
+same forward code instead. Being custom VJPs, they take reverse-mode differentiation only:
+``jax.jvp`` (and ``jacfwd``) through one-device lara raise JAX's custom_vjp error.
 """
 
 from __future__ import annotations

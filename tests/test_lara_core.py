@@ -92,3 +92,11 @@ def test_query_weights_vjp_is_the_gradient_of_the_estimate(spec, masked):
         )
     args = (omega, q_bar, qh, c, bh, f, masks, spec)
     _check(lara_core.query_weights, _naive_queries, args, (0, 1, 2, 3, 4, 5))
+
+
+def test_forward_mode_is_refused_by_the_custom_vjp():
+    """The VJPs are reverse mode only (as the module says): ``jax.jvp`` raises, not silently
+    differentiating something else."""
+    omega, kh, v = _normal(0, 1, 1, 2, D), _normal(1, 1, 1, T, D), _normal(2, 1, 1, T, D)
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(lambda o: lara_core.key_stats(o, kh, v)[0], (omega,), (omega,))
