@@ -181,3 +181,25 @@ def test_missing_params_is_a_clear_error(name):
     q, k, v = qkv()
     with pytest.raises(ValueError, match=rf"{name}: params is missing '\w+'; got keys \[\]"):
         la.get(name).attention(q, k, v, {}, jax.random.key(0))
+
+
+#: Mechanisms with a hand-written VJP on their path (docs/api-contract.md, "Dtypes and
+#: numerics"): forward-mode autodiff raises through them.
+REVERSE_MODE_ONLY = {"flexformer_s", "flexformer_n", "soft", "laplacian", "lara"}
+
+
+@pytest.mark.parametrize("name", la.names())
+def test_forward_mode_autodiff_where_the_docs_say(name):
+    m = mech(name)
+    q = jax.random.normal(jax.random.key(0), (1, 4, 2, 4))
+    params = init(m, h=2, d=4)
+
+    def f(x):
+        return m.attention(x, x, x, params, jax.random.key(1))
+
+    if name in REVERSE_MODE_ONLY:
+        with pytest.raises(TypeError, match="forward-mode"):
+            jax.jvp(f, (q,), (q,))
+    else:
+        out, tangent = jax.jvp(f, (q,), (q,))
+        assert out.shape == tangent.shape == q.shape
