@@ -62,3 +62,41 @@ def test_fit_reaches_a_tenfold_fall_and_variance_ratio_100(name):
     r = _fit(name)
     assert r["kl_end"] <= r["kl_init"] / 10
     assert r["var_ratio"] >= 100
+
+
+def test_subspace_command_runs_every_seed_and_tabulates(tmp_path, monkeypatch, capsys):
+    """``python -m train.bench kernel_fit --target subspace``: one fit per mechanism and seed
+    with the given steps and lr, the references beside each row, the table and the JSON.
+    The fit and the references are stand-ins here (the real ones: the tests above)."""
+    import json
+
+    from train.bench.__main__ import build_parser
+
+    fits = []
+
+    def fake_fit(name, *, references, steps, seed, lr):
+        fits.append((name, steps, seed, lr, references))
+        return {"mechanism": name, "seed": seed, "kl_init": 0.09, "kl_end": 0.01 * (seed + 1),
+                "neg_end": 0.0, "var_on": 3.0, "var_off": 0.3, "var_ratio": 10.0}  # fmt: skip
+
+    refs = {"kl_temperature": 0.05, "best_t": 2.5, "kl_gaussian": 0.018,
+            "gaussian_on": 2.4, "gaussian_off": 0.25}  # fmt: skip
+    monkeypatch.setattr(kernel_fit, "fit_subspace", fake_fit)
+    monkeypatch.setattr(kernel_fit, "subspace_references", lambda **kw: refs)
+    out = tmp_path / "fit.json"
+    args = build_parser().parse_args(
+        ["kernel_fit", "--target", "subspace", "--steps", "7", "--seeds", "2", "--lr", "0.02",
+         "--out", str(out), "--quiet"]
+    )  # fmt: skip
+    result = kernel_fit.main_from_args(args)
+    names = kernel_fit.SUBSPACE_MECHANISMS
+    assert fits == [(n, 7, s, 0.02, False) for s in (0, 1) for n in names]
+    assert [r["seed"] for r in result["rows"]] == [s for s in (0, 1) for _ in names]
+    assert all(r["kl_gaussian"] == 0.018 for r in result["rows"])
+    assert result["config"]["steps"] == 7 and result["config"]["seeds"] == 2
+    assert result["config"]["lr"] == 0.02
+    assert json.loads(out.read_text()) == result
+    table = capsys.readouterr().out
+    assert "7 Adam steps (lr 0.02)" in table
+    assert f"| {names[0]} | 1 | 0.0900 | 0.0200 | 4.5 | 0.000% | 3 | 0.3 | 10 |" in table
+    assert "0.0500 (t = 2.50) | 0.0180 (2.40, 0.250) |" in table

@@ -64,9 +64,9 @@ def _trained_like(variables, scale=3.0):
 def test_recurrent_equals_parallel(attention, config):
     model = _tiny(attention, config)
     tokens = jax.random.randint(jax.random.key(1), (2, 13), 1, text_data.VOCAB_SIZE)
-    variables = model.init({"params": jax.random.key(0)}, tokens)
-    variables = _trained_like(variables)
-    parallel = model.apply(variables, tokens, deterministic=True)
+    # jitted: one compile each instead of eager op-by-op dispatch
+    variables = _trained_like(jax.jit(model.init)({"params": jax.random.key(0)}, tokens))
+    parallel = jax.jit(lambda v, t: model.apply(v, t, deterministic=True))(variables, tokens)
     recurrent = gen.recurrent_logits(model, variables, tokens)
     assert recurrent.shape == parallel.shape == (2, 13, text_data.VOCAB_SIZE)
     # float32 rounding of differently ordered sums; logits are O(1)
@@ -84,7 +84,7 @@ def test_recurrent_equals_parallel(attention, config):
 def test_greedy_generation_matches_parallel_argmax(attention):
     model = _tiny(attention, (("num_features", 16),) if attention != "softmax" else ())
     prompt = jnp.asarray([[5, 9, 77], [100, 3, 42]], jnp.int32)
-    variables = _trained_like(model.init({"params": jax.random.key(3)}, prompt))
+    variables = _trained_like(jax.jit(model.init)({"params": jax.random.key(3)}, prompt))
     out = gen.generate(model, variables, prompt, 6, jax.random.key(0), temperature=0.0)
     assert out.shape == (2, 9) and np.array_equal(np.asarray(out[:, :3]), np.asarray(prompt))
     # the same continuation from the parallel model: it is causal, so one pass over the

@@ -8,9 +8,11 @@ from _helpers import init, mech, qkv, rel_err
 
 import linattn_jax as la
 
-# every mechanism compiled with XLA's optimisation passes on, as users run it (the rest of the
-# suite runs with them off: tests/conftest.py)
-pytestmark = pytest.mark.usefixtures("optimised_xla")
+# The suite compiles with XLA's optimisation passes off (tests/conftest.py). The tests marked
+# `optimised` turn them on (every mechanism's forward in both dtypes, and its gradients at
+# large norms), and `test_the_suites_compile_flags_give_the_users_results` compiles every
+# mechanism's value and gradients in a process with XLA's default flags, as users do.
+optimised = pytest.mark.usefixtures("optimised_xla")
 
 NAMES = la.names()
 CAUSAL = la.causal_names()
@@ -22,6 +24,7 @@ def _run(m, q, k, v, params, **kw):
     return m.attention(q, k, v, params, RNG, **kw)
 
 
+@optimised
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_shape_dtype_and_jit(name, dtype):
@@ -168,16 +171,17 @@ def test_stochastic_rng_semantics(name):
     params = init(m)
     with pytest.raises(ValueError, match="rng"):
         m.attention(q, k, v, params, None, deterministic=False)
-    det1 = m.attention(q, k, v, params, None, deterministic=True)
-    det2 = m.attention(q, k, v, params, jax.random.key(3), deterministic=True)
+    # jitted: one compile per mode instead of eager op-by-op dispatch
+    det = jax.jit(lambda rng: m.attention(q, k, v, params, rng, deterministic=True))
+    sample = jax.jit(lambda rng: m.attention(q, k, v, params, rng))
+    det1, det2 = det(None), det(jax.random.key(3))
     np.testing.assert_array_equal(det1, det2)
-    s1 = m.attention(q, k, v, params, jax.random.key(1))
-    s1b = m.attention(q, k, v, params, jax.random.key(1))
-    s2 = m.attention(q, k, v, params, jax.random.key(2))
+    s1, s1b, s2 = (sample(jax.random.key(i)) for i in (1, 1, 2))
     np.testing.assert_array_equal(s1, s1b)
     assert not np.allclose(s1, s2)
 
 
+@optimised
 @pytest.mark.parametrize("name", NAMES)
 def test_large_norms_finite(name):
     m = mech(name)
@@ -194,3 +198,49 @@ def test_large_norms_finite(name):
     assert jnp.isfinite(out)
     for g in jax.tree_util.tree_leaves(grads):
         assert jnp.all(jnp.isfinite(g))
+
+
+def _values_and_grads(names):
+    """``{name: [out, dq, dk, dv, *dparams]}`` of every mechanism in `names` (numpy)."""
+    result = {}
+    for name in names:
+        m = mech(name)
+        q, k, v = qkv()
+        params = init(m)
+        out, grads = jax.jit(
+            jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(m.attention(*a, RNG))), (0, 1, 2, 3))
+        )(q, k, v, params)
+        result[name] = [np.asarray(x) for x in (out, *jax.tree_util.tree_leaves(grads))]
+    return result
+
+
+_USERS_BUILD = """
+import os, pickle, sys
+sys.path.insert(0, {tests!r})
+import test_mechanisms as t
+pickle.dump(t._values_and_grads(t.NAMES), open({out!r}, "wb"))
+"""
+
+
+def test_the_suites_compile_flags_give_the_users_results(tmp_path):
+    """The suite compiles with XLA's optimisations off and its legacy CPU fusion emitters
+    (tests/conftest.py: the cost at these shapes is compiling). Every mechanism's value and
+    gradients, compiled the way users compile them (a fresh process with XLA's defaults),
+    equal the suite's to float32 rounding."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "users.pkl"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(XLA_FLAGS="", JAX_DISABLE_MOST_OPTIMIZATIONS="0", JAX_PLATFORMS="cpu")
+    script = _USERS_BUILD.format(tests=str(Path(__file__).parent), out=str(out))
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600)
+    users = pickle.loads(out.read_bytes())
+    ours = _values_and_grads(NAMES)
+    assert set(users) == set(ours) == set(NAMES)
+    for name in NAMES:
+        for i, (a, b) in enumerate(zip(ours[name], users[name], strict=True)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"{name} leaf {i}")

@@ -5,6 +5,7 @@ la.get(name), name=...)``, registered) behaves exactly as the original in flax's
 same outputs, or the same error."""
 
 import dataclasses
+import functools
 import re
 
 import flax.linen as nn
@@ -98,9 +99,9 @@ def _calls(name, cfg):
             num_heads=H, attention=name, attention_config=tuple(cfg.items()), decode=True,
             max_len=T,
         )  # fmt: skip
-        variables = layer.init(RNGS, X[:, :1], causal=True)
-        out, _ = layer.apply(variables, X[:, :1], causal=True, mutable=["cache"])
-        return out
+        init = jax.jit(functools.partial(layer.init, causal=True))
+        apply = jax.jit(functools.partial(layer.apply, causal=True, mutable=["cache"]))
+        return apply(init(RNGS, X[:, :1]), X[:, :1])[0]
 
     calls["decode"] = decode
 
@@ -110,7 +111,10 @@ def _calls(name, cfg):
         attend = la.parallel.sequence_parallel(mech, mesh, "seq")
         q, k, v = jax.random.normal(jax.random.key(4), (3, B, T, H, F // H))
         params = mech.init(jax.random.key(5), num_heads=H, head_dim=F // H)
-        return attend(q, k, v, params, deterministic=True)
+        # jitted: an eager shard_map compiles each of its ops for the mesh (~250 programs)
+        return jax.jit(lambda q, k, v, p: attend(q, k, v, p, deterministic=True))(
+            q, k, v, params
+        )
 
     calls["sequence_parallel"] = seqpar
     return calls
