@@ -208,7 +208,7 @@ def _values_and_grads(names):
         q, k, v = qkv()
         params = init(m)
         out, grads = jax.jit(
-            jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(m.attention(*a, RNG))), (0, 1, 2, 3))
+            jax.value_and_grad(lambda *a, m=m: jnp.sum(jnp.sin(m.attention(*a, RNG))), (0, 1, 2, 3))
         )(q, k, v, params)
         result[name] = [np.asarray(x) for x in (out, *jax.tree_util.tree_leaves(grads))]
     return result
