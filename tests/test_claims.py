@@ -161,7 +161,9 @@ def _no_training(monkeypatch):
 
 def test_table_claims_decide_by_interval_and_skip_unlearned_tasks(tmp_path, monkeypatch):
     _no_training(monkeypatch)
-    monkeypatch.setattr(table, "MECHANISMS", ("softmax", *table.LINEAR, "laplacian", "lara"))
+    monkeypatch.setattr(
+        table, "MECHANISMS", ("softmax", *table.LINEAR, "laplacian", "lara", "flexformer_n")
+    )
     jitter = (0.0, 0.01, -0.01, 0.02, -0.02)
     accs = {}
     for s, j in enumerate(jitter):
@@ -171,6 +173,7 @@ def test_table_claims_decide_by_interval_and_skip_unlearned_tasks(tmp_path, monk
             ("listops", "rfa", s): 0.20 + j,
             ("listops", "hedgehog", s): 0.22 + j,
             ("listops", "lara", s): 0.30 + j,  # clearly above performer
+            ("listops", "flexformer_n", s): 0.25 + j,  # 3-5 points above every linear one
             ("listops", "laplacian", s): (0.19, 0.23, 0.20, 0.22, 0.21)[s],  # within noise
             ("listops", "laplacian_gaussian", s): 0.15 + j,  # the kernel ablation: below
             ("pathfinder", "softmax", s): 0.75 if s else 0.60,  # one seed below 70%: gated
@@ -199,6 +202,12 @@ def test_table_claims_decide_by_interval_and_skip_unlearned_tasks(tmp_path, monk
     assert table.task_config("listops", "laplacian_gaussian", 0).attention_config.kernel == (
         "gaussian"
     )
+    # flexformer_n against each linear baseline on the tasks softmax learns (listops only)
+    finding = table.flexformer_beats_linear(settings)
+    assert finding.verdict == claims.REPRODUCED, finding.numbers
+    assert finding.data["per"] == dict.fromkeys(table.LINEAR, claims.REPRODUCED)
+    assert "LRA average over listops (5 seeds)" in finding.numbers
+    assert finding.data["frequency_growth"] == {"listops": None}  # no checkpoint: None
 
 
 def test_table_claims_on_a_subset_of_the_tasks(tmp_path, monkeypatch):
