@@ -235,7 +235,7 @@ def test_the_suites_compile_flags_give_the_users_results(tmp_path):
 
     out = tmp_path / "users.pkl"
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    env.update(XLA_FLAGS="", JAX_DISABLE_MOST_OPTIMIZATIONS="0", JAX_PLATFORMS="cpu")
+    env.update(XLA_FLAGS="", JAX_DISABLE_MOST_OPTIMIZATIONS="0")  # the platform: inherited
     script = _USERS_BUILD.format(tests=str(Path(__file__).parent), out=str(out))
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600)
     users = pickle.loads(out.read_bytes())
