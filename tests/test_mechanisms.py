@@ -215,7 +215,7 @@ def _values_and_grads(names):
 
 
 _USERS_BUILD = """
-import os, pickle, sys
+import pickle, sys
 sys.path.insert(0, {tests!r})
 import test_mechanisms as t
 pickle.dump(t._values_and_grads(t.NAMES), open({out!r}, "wb"))
