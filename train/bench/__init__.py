@@ -18,11 +18,14 @@ one module each:
   LRA Retrieval (two documents of T = 4k bytes, B = 2) per mechanism: step time and memory as
   ratios to softmax.
 * ``kernel_fit`` (`kernel_fit`): fits each learnable kernel to a non-stationary target
-  attention at an equal feature budget.
+  attention at an equal feature budget, or (``--target subspace``) to a Gaussian kernel on
+  a subspace (kernel recovery).
 * ``equivalence`` (`equivalence`): a random-feature mechanism trained beside a stand-in of
   its public algorithm in the same model, config and seeds (curves and accuracies).
 * ``official`` (`official`): our LARA beside the official PyTorch code (a checkout given by
   ``--repo``), forward and forward+backward, torch on as many threads as XLA's cores.
+* ``performer_jax`` (`performer_jax`): our performer beside the public Performer-JAX (a
+  checkout given by ``--repo``), in one process, its projection fixed and redrawn per call.
 * ``parallel`` (`parallel`): per-device memory of sequence-parallel attention.
 * ``report`` (`summary`): the markdown summary (ratios at one T, crossing points, growth per
   doubling, fidelity and model tables) from the JSON files of the other subcommands.

@@ -18,6 +18,7 @@ from train.bench import (
     model,
     official,
     parallel,
+    performer_jax,
     scaling,
     summary,
 )
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     official.add_arguments(
         sub.add_parser("official", help="our LARA beside the official PyTorch code, equal cores")
     )
+    performer_jax.add_arguments(
+        sub.add_parser("performer_jax", help="our performer beside the public Performer-JAX")
+    )
     parallel.add_arguments(
         sub.add_parser("parallel", help="per-device memory of sequence-parallel attention")
     )
@@ -82,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> dict | str | list:
         return equivalence.main_from_args(args)
     if args.command == "official":
         return official.main_from_args(args)
+    if args.command == "performer_jax":
+        return performer_jax.main_from_args(args)
     if args.command == "parallel":
         return parallel.main_from_args(args, parser)
     if args.command == "report":
