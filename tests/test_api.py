@@ -155,19 +155,6 @@ def test_errors_raise_under_jit():
         f(q, k[..., :4], v)
 
 
-@pytest.mark.parametrize(
-    "name,key", [("performer", "num_features"), ("rfa", "num_features"), ("linear_elu", "")]
-)
-def test_invalid_config_values(name, key):
-    m = la.get(name)
-    q, k, v = qkv()
-    if key:
-        with pytest.raises(ValueError, match=f"{key} must be an int >= 1, got 0"):
-            m.init(jax.random.key(0), num_heads=2, head_dim=8, **{key: 0})
-    with pytest.raises(ValueError, match="chunk_size must be an int >= 1, got 0"):
-        mech(name).attention(q, k, v, init(mech(name)), jax.random.key(0), chunk_size=0)
-
-
 def test_params_shape_mismatch_names_the_param():
     q, k, v = qkv()
     params = init(la.get("hedgehog"), h=3)

@@ -1,7 +1,7 @@
-"""Every bad argument is a named error: params of the wrong kind, an rng that is
-not a key, a config value contradicting the params, a non-positive size at `bind`, and a
-device list where `sequence_parallel` takes a mesh. Each message names the argument, what
-it got and what is accepted."""
+"""Every bad argument is a named error: params of the wrong kind, an rng that is not a key,
+a config value contradicting the params, a non-positive size (at `bind`, `init` or call
+time), and a device list where `sequence_parallel` takes a mesh. Each message names the
+argument, what it got and what is accepted."""
 
 import jax
 import jax.numpy as jnp
@@ -80,10 +80,15 @@ def test_non_positive_size_is_a_value_error_at_bind(name, key, value):
         la.get(name).bind(**{key: value})
 
 
-def test_non_positive_size_at_call_time_is_a_value_error():
+def test_non_positive_size_at_init_or_call_time_is_a_value_error():
     q, k, v = qkv(b=1, tq=4, tk=4)
     with pytest.raises(ValueError, match=r"num_samples must be an int >= 1, got -1"):
         la.get("ra").attention(q, k, v, {}, jax.random.key(0), num_samples=-1)
+    for name in ("performer", "rfa"):
+        with pytest.raises(ValueError, match=r"num_features must be an int >= 1, got 0"):
+            la.get(name).init(jax.random.key(0), num_heads=2, head_dim=8, num_features=0)
+    with pytest.raises(ValueError, match=r"chunk_size must be an int >= 1, got 0"):
+        mech("linear_elu").attention(q, k, v, {}, jax.random.key(0), chunk_size=0)
 
 
 def test_sequence_parallel_takes_a_mesh_not_a_device_list():

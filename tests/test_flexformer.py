@@ -470,12 +470,14 @@ def test_noncausal_matches_reference(name, dtype):
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("causal", [False, True])
-def test_masked_keys_contribute_nothing(name, causal):
+@pytest.mark.parametrize("features", ["trig", "positive"])
+def test_masked_keys_contribute_nothing(name, causal, features):
     """A masked key, however large (it would win an unmasked stabiliser max), changes
-    nothing; a batch row with every key masked gives zeros."""
+    nothing; masked keys equal truncated ones; a batch row with every key masked gives
+    zeros. Both feature maps."""
     q, k, v = _inputs(jax.random.key(10), t=6)
     p = _params(name, jax.random.key(11))
-    att = _jit(name)
+    att = _jit(name, features=features)
     mask = jnp.array([[True] * 4 + [False] * 2, [False] * 6])
     k2 = k.at[:, 4:].set(100.0)
     v2 = v.at[:, 4:].set(-50.0)

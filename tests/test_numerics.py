@@ -1,11 +1,12 @@
 """Exact at any input scale, pinned with fixed inputs.
 
-With every key identical, every normalised mechanism's exact answer is the mean of v (the
-prefix mean when causal) whatever the scale of q and k: each query's weights over its
-visible keys are all equal. So the output is independent of q and of the shared key, and
-the gradient with respect to v is the weight matrix. The stabilisers are relative to the
-data (detached maxima in log space, feature eps relative to each token's largest feature,
-a denominator guard only for rows without a visible key), so this holds from 1e-3 to 1e3.
+With every key identical, every normalised mechanism's exact answer is the mean of v over
+the visible keys (the prefix mean when causal; padding-masked keys left out) whatever the
+scale of q and k: each query's weights over its visible keys are all equal. So the output
+is independent of q and of the shared key, and the gradient with respect to v is the weight
+matrix. The stabilisers are relative to the data (detached maxima in log space, feature eps
+relative to each token's largest feature, a denominator guard only for rows without a
+visible key), so this holds from 1e-3 to 1e3.
 
 `soft` and `laplacian` are not normalised (``K V``, not ``K V / K 1``), so the identical-keys
 answer is not a mean of v for them; they are left out.
@@ -34,7 +35,8 @@ TOL_SOFTMAX_1E3 = 1e-2
 
 def _identical_keys(t=8, h=2, d=8):
     """Unit-norm q ``[S, t, h, d]`` and one key per row and head ``[S, 1, h, d]``, each row
-    scaled by its entry of SCALES; v and a cotangent u ``[S, t, h, d]``."""
+    scaled by its entry of SCALES; v and a cotangent u ``[S, t, h, d]``; a key padding mask
+    ``[S, t]`` with the last ``row % 3`` keys of each row masked."""
     kq, kk, kv, ku = jax.random.split(jax.random.key(0), 4)
     s = jnp.asarray(SCALES)[:, None, None, None]
 
@@ -45,26 +47,28 @@ def _identical_keys(t=8, h=2, d=8):
     q = unit(kq, (len(SCALES), t, h, d)) * s
     k1 = unit(kk, (len(SCALES), 1, h, d)) * s
     v, u = (jax.random.normal(key, (len(SCALES), t, h, d)) for key in (kv, ku))
-    return q, k1, v, u
+    mask = jnp.arange(t)[None, :] < t - jnp.arange(len(SCALES))[:, None] % 3
+    return q, k1, v, u, mask
 
 
 @pytest.mark.parametrize("name,causal", CASES)
 def test_identical_keys_give_the_mean_of_v_at_every_scale(name, causal):
     m = mech(name)
-    q, k1, v, u = _identical_keys()
+    q, k1, v, u, mask = _identical_keys()
     params = init(m, h=2, d=8)
     t = q.shape[1]
 
     def f(q, k1, v):
         k = jnp.broadcast_to(k1, q.shape)
-        return m.attention(q, k, v, params, jax.random.key(1), causal=causal)
+        return m.attention(q, k, v, params, jax.random.key(1), mask=mask, causal=causal)
 
     out, vjp = jax.jit(lambda q, k1, v: jax.vjp(f, q, k1, v))(q, k1, v)
     gq, gk, gv = jax.jit(vjp)(u)
     w = jnp.tril(jnp.ones((t, t))) if causal else jnp.ones((t, t))
-    w = w / jnp.sum(w, axis=-1, keepdims=True)  # [Tq, Tk]: the exact weights
-    want = jnp.einsum("ij,sjhd->sihd", w, v)
-    gv_want = jnp.einsum("ij,sihd->sjhd", w, u)
+    w = w[None] * mask[:, None, :]  # [S, Tq, Tk]: every query sees key 0
+    w = w / jnp.sum(w, axis=-1, keepdims=True)  # the exact weights
+    want = jnp.einsum("sij,sjhd->sihd", w, v)
+    gv_want = jnp.einsum("sij,sihd->sjhd", w, u)
     for row, s in enumerate(SCALES):
         tol = TOL_SOFTMAX_1E3 if (name, s) == ("softmax", 1000.0) else TOL[s]
         scale = float(jnp.max(jnp.abs(v[row])))
