@@ -149,3 +149,36 @@ def test_flexformer_n_mesh_spread_within_k_times_softmax():
     flex, soft = (ba.spread(res[n]["meshes"])[1] for n in ("flexformer_n", "softmax"))
     print(f"mesh max-min: flexformer_n {flex:.2e}, softmax {soft:.2e}")
     assert flex <= 10 * max(soft, 1e-6), (flex, soft)
+
+
+def test_command_runs_the_chosen_sections_in_order_and_writes_the_tables(
+    tmp_path, monkeypatch, capsys
+):
+    """``python -m train.bench_activations``: the sections asked for, in the order asked, with
+    their flags; the command line (without ``--out``) heading the text; ``--out`` a copy. The
+    sections are stand-ins here (the real ones: the tests above)."""
+    from train.bench_activations import __main__ as cli
+
+    calls = []
+    monkeypatch.setattr(
+        cli, "denominator_section", lambda *a: calls.append(("den", *a)) or ("DEN",)
+    )
+    monkeypatch.setattr(cli, "stability_section", lambda *a: calls.append(("stab", *a)) or "ST")
+    monkeypatch.setattr(cli, "laplacian_section", lambda *a: calls.append(("lap", *a)) or "LAP")
+    monkeypatch.setattr(cli, "kernels_section", lambda *a: calls.append(("ker", *a)) or "KER")
+    out = tmp_path / "tables.md"
+    text = cli.main(
+        ["--sections", "kernels,denominators,stability", "--steps", "3", "--examples", "2",
+         "--train-den-floor", "0", "--stability-steps", "4", "--out", str(out)]
+    )  # fmt: skip
+    assert calls == [("ker", 2), ("den", 3, 2, 0.0), ("stab", 4)]
+    parts = text.split("\n\n")
+    assert parts[0] == (
+        "`python -m train.bench_activations --sections kernels,denominators,stability --steps 3"
+        " --examples 2 --train-den-floor 0 --stability-steps 4`"
+    )
+    assert parts[1:4] == ["KER", "DEN", "ST"] and parts[4].endswith("x cpu)")
+    assert out.read_text() == text + "\n"
+    assert "[kernels] ..." in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"--sections: unknown \['nope'\]"):
+        cli.main(["--sections", "laplacian,nope"])
