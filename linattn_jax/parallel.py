@@ -54,6 +54,7 @@ and the one-device call with the same `rng` use the same features.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 
@@ -323,6 +324,24 @@ def sequence_parallel(
     seq = PartitionSpec(bspec, axis, None, None)
     seq_mask = PartitionSpec(bspec, axis)
 
+    @functools.lru_cache(maxsize=32)
+    def sharded(causal, deterministic, config_items, masked, extra_keys):
+        """The jitted shard_map of one call signature (cached: a repeated call outside jit
+        compiles once, where an eager shard_map compiles op by op)."""
+        config = dict(config_items)
+        if _is_lara(mechanism):
+            body = _lara_body(mechanism, deterministic, config, axis)
+        elif fmap is None:
+            body = _reducing_body(mechanism, causal, config, axis)
+        else:
+            chunk_size = int({**mechanism.defaults, **config}.get("chunk_size", 64))
+            body = _feature_map_body(fmap.bind(**config), causal, chunk_size, axis)
+        extra_spec = {key: PartitionSpec(bspec) for key in extra_keys}  # batch-major draws
+        specs = (seq, seq, seq, PartitionSpec(), extra_spec) + ((seq_mask,) if masked else ())
+        return jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=seq, check_vma=False)
+        )
+
     def fn(q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, **config):
         # The mechanism's own checks (shapes, dtypes, config, rng, params), abstractly.
         jax.eval_shape(
@@ -336,24 +355,19 @@ def sequence_parallel(
             rng,
         )
         _check_lengths(q, k, mask, mesh, axis, tuple(batch_axes))
-        extra = {}
+        extra, resolved = {}, params
         if _is_lara(mechanism):
-            body, resolved = _lara_body(mechanism, deterministic, config, axis), params
             extra = _lara_noise(mechanism, q, k, rng, deterministic, config)
-        elif fmap is None:
-            body, resolved = _reducing_body(mechanism, causal, config, axis), params
-        else:
-            fm = fmap.bind(**config)
-            resolved = fm.resolve(params, rng, deterministic=deterministic)
-            chunk_size = int({**mechanism.defaults, **config}.get("chunk_size", 64))
-            body = _feature_map_body(fm, causal, chunk_size, axis)
-        extra_spec = {key: PartitionSpec(bspec) for key in extra}  # batch-major draws
-        args = (q, k, v, resolved, extra)
-        specs = (seq, seq, seq, PartitionSpec(), extra_spec)
-        if mask is not None:
-            args, specs = (*args, mask), (*specs, seq_mask)
-        sharded = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=seq, check_vma=False)
-        return sharded(*args)
+        elif fmap is not None:
+            resolved = fmap.bind(**config).resolve(params, rng, deterministic=deterministic)
+        key = (bool(causal), bool(deterministic), tuple(sorted(config.items())))
+        key += (mask is not None, tuple(extra))
+        try:
+            call = sharded(*key)
+        except TypeError:  # a config value without a hash: built for this call only
+            call = sharded.__wrapped__(*key)
+        args = (q, k, v, resolved, extra) + (() if mask is None else (mask,))
+        return call(*args)
 
     return fn
 

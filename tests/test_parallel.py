@@ -226,3 +226,18 @@ def test_linen_and_nnx_modules_run_sequence_parallel_under_jit():
     want = nnx.jit(lambda m, x: m(x, mask=mask, causal=True, deterministic=True))(one, x)
     got = nnx.jit(lambda m, x: m(x, mask=mask, causal=True, deterministic=True))(par, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-5)
+
+
+def test_a_repeated_call_outside_jit_compiles_nothing_new(caplog):
+    """The sequence-parallel function, called eagerly, compiles one program per call
+    signature (an eager shard_map would compile each of its ops) and reuses it."""
+    m = mech("performer")
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 8, 2, 4)) for i in range(3))
+    params = init(m, h=2, d=4)
+    fn = parallel.sequence_parallel(m, _mesh(), "seq")
+    first = fn(q, k, v, params, causal=True)
+    with caplog.at_level("WARNING"), jax.log_compiles():
+        again = fn(q, k, v, params, causal=True)
+    compiled = [r.getMessage() for r in caplog.records if "Finished XLA compilation" in r.message]
+    assert compiled == []
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(first))
