@@ -13,7 +13,7 @@ arm ``teacher`` is the softmax teacher of that seed) or a group: ``table`` (ever
 of the table on both tasks), ``ablations`` (the extra arms of the mechanism claims:
 laplacian_gaussian on both tasks, LARA's ablation arms on ListOps), ``lm``, ``flexformer``
 (the kernel-variant ablation: flexformer_n and its variants `table.FLEXFORMER_VARIANTS` on both
-tasks; the issue asks for 3 seeds, ``--seeds 3``), ``distill`` and ``transfer`` (their
+tasks; a 3-seed screen is ``--seeds 3``), ``distill`` and ``transfer`` (their
 teachers first). A group is ordered for partial progress: per task softmax's seeds first
 (the claims train no other arm on a task softmax does not learn; this queue does, so run
 softmax first and check it), then seed by seed over the arms. The runs are the claims'

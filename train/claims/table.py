@@ -109,6 +109,13 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
             "init1.5": {"attention_config.init_scale": 1.5},
             "bandwidth": {"attention_config.learn_bandwidth": True},
             "raw": {"attention_config.qk_radius": None},
+            "positive": {"attention_config.features": "positive"},
+            # positive features with the frequencies stored at twice the default scale
+            # (omega = 8 omega~ at d = 16: omega~ at the init scale of a width-64 Dense)
+            "positive_c8": {
+                "attention_config.features": "positive",
+                "attention_config.freq_scale": 8.0,
+            },
         }.items()
     },
 }
