@@ -74,7 +74,7 @@ def test_select_and_finding_errors():
         claims.Finding("", "maybe", "")
     assert {c.kind for c in claims.select(None, "cheap")} == {"cheap"}
     keys = set(claims.all_claims())
-    # every paper's claims named by the issue are registered
+    # every claim the papers make that the report tests is registered
     for key in ("flexformer.init_rate", "laplacian.newton_schulz_vs_cg", "ra.unbiased",
                 "lara.error_vs_samples", "table.equal_budget"):  # fmt: skip
         assert key in keys

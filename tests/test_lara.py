@@ -97,7 +97,7 @@ def test_lara_consistent():
 
 
 def test_lara_default_noise_one_sample_error():
-    """The issue's case (T = 1024, d = 64, q and k scaled by 0.5): with the default noise
+    """At T = 1024, d = 64, q and k scaled by 0.5: with the default noise
     (the official d^(-1/4)) one sample's error vs softmax is within 1.5x that of the mean of
     v; with the paper's unit noise it is not (so the bound can fail). Mean relative error
     over 4 keys (single-key spread of the ratio ~0.05 on these inputs)."""
