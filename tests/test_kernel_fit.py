@@ -8,8 +8,9 @@ With the default (trigonometric) map each passes when the KL falls at least 10x 
 and ends below the best temperature-only exact kernel ``exp(t cos(q, k))``, with under 1%
 negative weights, and the learned spectral variance is at least 100x larger on the subspace
 than off it and near the target's ``beta = 3`` there. The positive map estimates another
-kernel family (FAVOR+'s ``exp(x^T S y)``, no stationary kernel in it); its fit is held to
-what it can do: no negative weights, a falling KL and variance moving onto the subspace.
+kernel family (FAVOR+'s ``exp(x^T S y)`` with per-token factors the map fixes, of the wrong
+sign for this target); its fit is held to what it can do: no negative weights, a falling KL
+and variance moving onto the subspace.
 """
 
 from __future__ import annotations

@@ -49,10 +49,11 @@ a Gaussian spectral density that is isotropic on and off the subspace (``exp(-(s
 + s_off |(I-P)(q-k)|^2) / 2)``, a 2-D grid search; `best_gaussian_kl`; the target itself is
 on that grid, at ``(beta, 0)``).
 
-The positive map (``features="positive"``) estimates another family, ``exp(x^T S y)`` up to
-per-token factors (FAVOR+'s kernel with a learned covariance ``S``), which holds no
-stationary Gaussian kernel on the subspace: its fit is reported, not held to the trig map's
-bounds (docs/flexformer.md, "Kernel recovery").
+The positive map (``features="positive"``) estimates another family: with frequencies of
+covariance ``S``, ``exp(x^T S y)`` times per-token factors ``exp((x^T S x - |x|^2) / 2)``
+that the map fixes. The target needs the key's factor ``exp(-beta |Pk|^2 / 2)``, and ``S =
+beta P`` gives the opposite sign, so no ``S`` reaches it: that fit is reported, not held to
+the trig map's bounds (docs/flexformer.md, "Kernel recovery").
 """
 
 from __future__ import annotations
