@@ -7,7 +7,9 @@ import datetime
 import json
 import os
 import platform
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import jax
@@ -229,3 +231,19 @@ def add_common_arguments(p) -> None:
         metavar="MODULE",
         help="import MODULE first (it registers more mechanisms); repeatable",
     )
+
+
+@contextmanager
+def modules_in_place(modules: Mapping[str, object]) -> Iterator[None]:
+    """`modules` in ``sys.modules`` for the block (stand-ins while a peer's file loads),
+    each name put back as it was afterwards (removed where it was absent)."""
+    saved = {name: sys.modules.get(name) for name in modules}
+    sys.modules.update(modules)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old

@@ -71,17 +71,14 @@ def load_linear_ra(repo: str):
     pkg = types.ModuleType("efficient_attention")
     pkg.__path__ = [pkg_dir]
     pkg.add_nested_argument = lambda *args, **kwargs: None  # argparse helper, unused
-    saved = {n: sys.modules.get(n) for n in ("timm", "timm.models", "timm.models.layers")}
-    sys.modules.update(
-        {
-            "timm": types.ModuleType("timm"),
-            "timm.models": types.ModuleType("timm.models"),
-            "timm.models.layers": layers,
-            "efficient_attention": pkg,
-        }
-    )
-    try:
-        modules = {}
+    sys.modules["efficient_attention"] = pkg
+    timm = {
+        "timm": types.ModuleType("timm"),
+        "timm.models": types.ModuleType("timm.models"),
+        "timm.models.layers": layers,
+    }
+    modules = {}
+    with common.modules_in_place(timm):
         for name in _FILES:
             spec = importlib.util.spec_from_file_location(
                 f"efficient_attention.{name}", os.path.join(pkg_dir, name + ".py")
@@ -92,12 +89,6 @@ def load_linear_ra(repo: str):
             modules[name] = module
             if name == "abstract_attention":
                 pkg.MultiheadAttention = module.MultiheadAttention
-    finally:
-        for n, m in saved.items():
-            if m is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = m
     return modules["lara"].LinearRA
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 import types
 
 import jax
@@ -67,19 +66,10 @@ def load_public(repo: str) -> types.ModuleType:
             f"https://github.com/google-research/google-research (it holds {PUBLIC_PATH}) "
             "or that file"
         )
-    stand_ins = _stand_ins()
-    saved = {n: sys.modules.get(n) for n in stand_ins}
-    sys.modules.update(stand_ins)
-    try:
+    with common.modules_in_place(_stand_ins()):
         spec = importlib.util.spec_from_file_location("performer_fast_attention", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
     return module
 
 
