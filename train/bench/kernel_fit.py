@@ -207,9 +207,16 @@ def unit_draw(key, batch, seq_len, head_dim):
 def subspace_target(q, k, *, rank=4, beta=3.0):
     """Target weights ``[B, H, Tq, Tk]``: ``softmax_j(-beta |P (q_i - k_j)|^2 / 2)``, ``P``
     the projection onto the first `rank` coordinates (module docstring)."""
-    qp, kp = q[..., :rank], k[..., :rank]
-    d2 = jnp.sum((qp[:, :, None] - kp[:, None, :]) ** 2, axis=-1)  # [B, Tq, Tk, H]
-    return jax.nn.softmax(-beta * jnp.transpose(d2, (0, 3, 1, 2)) / 2, axis=-1)
+    return jax.nn.softmax(-beta * subspace_distances(q, k, rank=rank)[0] / 2, axis=-1)
+
+
+def subspace_distances(q, k, *, rank=4):
+    """``(on, off)``, each ``[B, H, Tq, Tk]``: ``|P (q_i - k_j)|^2`` and ``|(I - P) (q_i -
+    k_j)|^2``, ``P`` the projection onto the first `rank` coordinates."""
+    diff = q[:, :, None] - k[:, None, :]  # [B, Tq, Tk, H, d]
+    on = jnp.sum(diff[..., :rank] ** 2, -1).transpose(0, 3, 1, 2)
+    off = jnp.sum(diff[..., rank:] ** 2, -1).transpose(0, 3, 1, 2)
+    return on, off
 
 
 def row_kl(p, w):
@@ -243,9 +250,7 @@ def best_gaussian_kl(p, q, k, *, rank=4, on_max=8.0, off_max=2.0, num=81):
     """``(kl, var_on, var_off)``: the best exact stationary kernel with Gaussian spectral
     density of variance ``var_on`` on the subspace and ``var_off`` off it,
     ``exp(-(var_on |P(q - k)|^2 + var_off |(I - P)(q - k)|^2) / 2)``, on a grid."""
-    diff = q[:, :, None] - k[:, None, :]  # [B, Tq, Tk, H, d]
-    d_on = jnp.sum(diff[..., :rank] ** 2, -1).transpose(0, 3, 1, 2)
-    d_off = jnp.sum(diff[..., rank:] ** 2, -1).transpose(0, 3, 1, 2)
+    d_on, d_off = subspace_distances(q, k, rank=rank)
     ons, offs = jnp.linspace(0.0, on_max, num), jnp.linspace(0.0, off_max, num)
 
     def one(a, b):
