@@ -28,7 +28,6 @@ import os
 import types
 
 import jax
-import jax.numpy as jnp
 
 import linattn_jax as la
 from train.bench import common
@@ -82,9 +81,8 @@ def pairs(public, seq_len: int, args) -> list[tuple[dict, object, object]]:
     params = mech.init(jax.random.key(0), num_heads=args.heads, head_dim=args.head_dim)
 
     def both_modes(f):
-        fwd = jax.jit(f)
-        fb = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * ct), argnums=(0, 1, 2)))
-        return {"forward": fwd, "forward+backward": fb}
+        fwd, fb = jax.jit(f), jax.jit(common.fwd_bwd(f, argnums=(0, 1, 2)))
+        return {"forward": lambda: fwd(q, k, v), "forward+backward": lambda: fb(q, k, v, ct)}
 
     out = []
     for causal in (False, True):
@@ -102,8 +100,8 @@ def pairs(public, seq_len: int, args) -> list[tuple[dict, object, object]]:
                 out.append(
                     (
                         keys,
-                        lambda f=ours[mode]: jax.block_until_ready(f(q, k, v)),
-                        lambda f=theirs[mode]: jax.block_until_ready(f(q, k, v)),
+                        lambda f=ours[mode]: jax.block_until_ready(f()),
+                        lambda f=theirs[mode]: jax.block_until_ready(f()),
                     )
                 )
     return out
