@@ -2,8 +2,7 @@
 
 Every block fenced exactly as ```python runs; a page's blocks share one namespace, in order,
 as a reader would run them (the README's too). Measurement scripts that take minutes are
-fenced ```py on the pages and are not run here. docs/flexformer.md is left out: its blocks
-are the measurement scripts of that write-up, each named beside the numbers it produced.
+fenced ```py on the pages and are not run here (each named beside the numbers it produced).
 """
 
 import pathlib
@@ -13,8 +12,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-NOT_RUN = {"flexformer.md"}  # measurement scripts (minutes each), see the module docstring
-PAGES = sorted(p for p in (ROOT / "docs").rglob("*.md") if p.name not in NOT_RUN)
+PAGES = sorted((ROOT / "docs").rglob("*.md"))
 
 
 def python_blocks(path):
