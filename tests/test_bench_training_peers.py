@@ -43,6 +43,40 @@ def test_rfa_peer_is_the_public_rfa_as_a_quadratic_form():
     assert not np.allclose(a, b) and np.isfinite(np.asarray(a)).all()
 
 
+def test_hedgehog_and_linear_elu_peers_are_their_public_maps_as_quadratic_forms():
+    """hedgehog_peer: ``A_ij = phi_q(q_i) . phi_k(k_j)`` with ``phi(x) = [exp(W x + b);
+    exp(-(W x + b))]``, separate query and key maps shared by the heads; linear_elu_peer:
+    ``A_ij = (elu(q_i) + 1) . (elu(k_j) + 1)``, ``A v / (A 1 + 1e-6)``; masked keys dropped
+    (float64 loops here)."""
+    q, k, v = _qkv(1, 5, 2, 3)
+    params = training_peers.hedgehog_peer_init(None, num_heads=2, head_dim=3)
+    rng = np.random.default_rng(1)
+    params = {n: p + 0.3 * jnp.asarray(rng.standard_normal(p.shape), jnp.float32)
+              for n, p in params.items()}  # fmt: skip
+    mask = jnp.arange(5)[None, :] < 4
+    qn, kn, vn = (np.asarray(x, np.float64)[0] for x in (q, k, v))
+    pn = {n: np.asarray(p, np.float64) for n, p in params.items()}
+
+    def hh(x, side):
+        a = pn["w" + side] @ x + pn["b" + side]
+        return np.exp(np.concatenate([a, -a]))
+
+    def elu1(x):
+        return np.where(x > 0, x + 1, np.exp(x))
+
+    for name, got, phi_q, phi_k, eps in (
+        ("hedgehog", training_peers.hedgehog_peer(q, k, v, params, mask=mask),
+         lambda x: hh(x, "q"), lambda x: hh(x, "k"), 0.0),
+        ("linear_elu", training_peers.linear_elu_peer(q, k, v, mask=mask), elu1, elu1, 1e-6),
+    ):  # fmt: skip
+        want = np.zeros_like(vn)
+        for h in range(2):
+            for i in range(5):
+                a = np.array([phi_q(qn[i, h]) @ phi_k(kn[j, h]) for j in range(4)])
+                want[i, h] = a @ vn[:4, h] / (a.sum() + eps)
+        np.testing.assert_allclose(np.asarray(got)[0], want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def test_training_peers_register_once_and_train_in_the_equivalence_configs():
     """``<name>_peer`` is registered on first use (idempotent); the equivalence bench's
     arms differ from ours only in the mechanism (the peer, same ``num_features``) or in
@@ -58,4 +92,8 @@ def test_training_peers_register_once_and_train_in_the_equivalence_configs():
     assert call.attention_config.to_dict() == {**ours.attention_config.to_dict(), "redraw": "call"}
     assert ours.seed == 3 and ours.num_train_steps == 5000
     with pytest.raises(ValueError, match="no training peer"):
-        training_peers.training_peer("hedgehog")
+        training_peers.training_peer("softmax")
+    assert equivalence.default_arms("hedgehog") == ("ours", "public")
+    assert equivalence.default_arms("rfa") == equivalence.ARMS
+    with pytest.raises(ValueError, match="hedgehog draws no features"):
+        equivalence.arm_config("pathfinder", "hedgehog", "ours_redraw_call", 0)

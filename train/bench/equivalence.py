@@ -5,10 +5,12 @@ agrees. This benchmark trains, in the same model, config, data and seeds, three 
 
 * ``ours``: the registered mechanism with its defaults (features drawn at init and kept);
 * ``ours_redraw_call``: the same with ``redraw="call"`` (fresh features at every training
-  call, the behaviour of this library before the redraw policy existed);
+  call, the behaviour of this library before the redraw policy existed); only for the
+  mechanisms that draw features (`default_arms`);
 * ``public``: a faithful stand-in of the public algorithm (`training_peers.training_peer`): the
-  public Performer-JAX FAVOR+ with its query-seeded redraw, or the public RFA's bank of
-  stored matrices sampled once per step.
+  public Performer-JAX FAVOR+ with its query-seeded redraw, the public RFA's bank of
+  stored matrices sampled once per step, the Hedgehog paper's exp map with separate query
+  and key maps, or fast-transformers' elu + 1 attention.
 
 and prints each arm's train-loss and validation-accuracy curves and its test accuracy
 (mean and sample std over the seeds, each seed's value). The default task is the
@@ -21,9 +23,11 @@ when it is there (`train.loop.train_and_evaluate`).
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 from pathlib import Path
 
+import linattn_jax as la
 from train import configs, loop
 from train.bench import common, training_peers
 from train.metrics import read_jsonl
@@ -46,6 +50,15 @@ QUICK = {"num_train_steps": 4, "data.num_train": 64, "data.num_val": 32, "data.n
 ARMS = ("ours", "ours_redraw_call", "public")
 
 
+def default_arms(mechanism: str) -> tuple[str, ...]:
+    """`ARMS` for a mechanism with a ``redraw`` option, else ``("ours", "public")``."""
+    return ARMS if _redraws(mechanism) else ("ours", "public")
+
+
+def _redraws(mechanism: str) -> bool:
+    return "redraw" in inspect.signature(la.get(mechanism).attention_fn).parameters
+
+
 def arm_config(task: str, mechanism: str, arm: str, seed: int, *, steps=None, quick=False):
     """The training config of one arm (`ARMS`) of `mechanism` on `task` for `seed`: the
     task's preset and overrides, the mechanism's mini settings (the public arm gets the
@@ -54,6 +67,8 @@ def arm_config(task: str, mechanism: str, arm: str, seed: int, *, steps=None, qu
         raise ValueError(f"equivalence: task must be one of {tuple(TASKS)}, got {task!r}")
     if arm not in ARMS:
         raise ValueError(f"equivalence: arm must be one of {ARMS}, got {arm!r}")
+    if arm == "ours_redraw_call" and not _redraws(mechanism):
+        raise ValueError(f"equivalence: {mechanism} draws no features, so it has no {arm!r} arm")
     preset, changes = TASKS[task]
     config = configs.get_config(task, preset)
     configs.set_attention(config, mechanism)
@@ -84,11 +99,12 @@ def curves(workdir: Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def run(mechanism, *, task="pathfinder", seeds=(0,), arms=ARMS, steps=None, quick=False,
+def run(mechanism, *, task="pathfinder", seeds=(0,), arms=None, steps=None, quick=False,
         workdir="workdir/equivalence", log=print) -> dict:  # fmt: skip
-    """Trains (or re-reads) every arm for every seed; ``{"rows": [...]}``, one row per arm
-    with its seeds' test accuracies and curves."""
+    """Trains (or re-reads) every arm (default `default_arms`) for every seed; ``{"rows":
+    [...]}``, one row per arm with its seeds' test accuracies and curves."""
     rows = []
+    arms = default_arms(mechanism) if arms is None else arms
     for arm in arms:
         accs, runs = [], []
         for seed in seeds:
@@ -141,7 +157,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mechanism", required=True, choices=sorted(training_peers.TRAINING_PEERS))
     p.add_argument("--task", default="pathfinder", choices=sorted(TASKS))
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    p.add_argument("--arms", nargs="+", default=None, choices=ARMS, help="default: every arm"
+                   " the mechanism has (`default_arms`)")  # fmt: skip
     p.add_argument("--steps", type=int, default=None, help="train steps (default the task's)")
     p.add_argument("--workdir", default="workdir/equivalence")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
@@ -155,7 +172,7 @@ def main_from_args(args: argparse.Namespace) -> dict:
         args.mechanism,
         task=args.task,
         seeds=tuple(args.seeds),
-        arms=tuple(args.arms),
+        arms=None if args.arms is None else tuple(args.arms),
         steps=args.steps,
         quick=args.quick,
         workdir=args.workdir,

@@ -5,6 +5,14 @@
   query-seeded redraw at every call.
 * ``rfa_peer``: haopeng-uw ``RFA`` (``random_project`` with ``rrf`` features, a stored bank
   of random matrices sampled once per training step), PyTorch.
+* ``hedgehog_peer``: the Hedgehog paper's map (Zhang et al. 2024, its listing of
+  ``HedgehogFeatureMap`` / ``HedgehogAttention``): one trainable ``Linear(d, d)`` for the
+  queries and another for the keys, each initialised to the identity with zero bias and
+  shared by the heads, ``phi(x) = [exp(W x + b), exp(-(W x + b))]``, the attention
+  ``phi(q) phi(k)^T v / phi(q) phi(k)^T 1``, PyTorch.
+* ``linear_elu_peer``: fast-transformers' ``LinearAttention`` (idiap, Katharopoulos et al.
+  2020): ``phi(x) = elu(x) + 1`` for both, ``phi(q) (phi(k)^T v) / (phi(q) . sum phi(k) +
+  1e-6)``, PyTorch.
 """
 
 from __future__ import annotations
@@ -71,6 +79,60 @@ def rfa_peer(
     return jnp.einsum("bthm,bhmd->bthd", qp, s) / den[..., None]
 
 
+def hedgehog_peer_init(rng, *, num_heads: int, head_dim: int):
+    """The Hedgehog listing's two feature maps: ``{"wq", "wk": [d, d] identity, "bq", "bk":
+    [d] zeros}`` (one ``Linear`` each for queries and keys, shared by the heads)."""
+    del rng, num_heads
+    eye, zero = jnp.eye(head_dim, dtype=jnp.float32), jnp.zeros((head_dim,), jnp.float32)
+    return {"wq": eye, "bq": zero, "wk": eye, "bk": zero}
+
+
+def hedgehog_peer(q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False):
+    """The Hedgehog paper's attention, non-causal, ``[B, T, H, D]`` in and out.
+
+    ``phi_q(x) = [exp(Wq x + bq), exp(-(Wq x + bq))]`` and ``phi_k`` with its own ``Wk, bk``
+    (as the listing's ``mlp_q``, ``mlp_k``); the weights ``phi_q(q_i) . phi_k(k_j)`` over
+    their row sum. The exponent's detached maximum (per query token; per batch row and head
+    over every key) is subtracted before the exp: it cancels in the ratio and keeps the
+    float32 exp finite, so this is the listing's value, not a change of it. `mask` zeroes
+    the keys it drops. No causal form (the benchmark's tasks are bidirectional).
+    """
+    del rng, deterministic
+    if causal:
+        raise ValueError("hedgehog_peer: the stand-in has no causal form")
+
+    def logits(x, w, b):
+        a = jnp.einsum("bthd,ed->bthe", x.astype(jnp.float32), w) + b[None, None, None]
+        return jnp.concatenate([a, -a], axis=-1)
+
+    aq = logits(q, params["wq"], params["bq"])
+    ak = logits(k, params["wk"], params["bk"])
+    if mask is not None:
+        ak = jnp.where(mask[:, :, None, None], ak, -jnp.inf)
+    pq = jnp.exp(aq - lax.stop_gradient(jnp.max(aq, axis=-1, keepdims=True)))
+    pk = jnp.exp(ak - lax.stop_gradient(jnp.max(ak, axis=(1, 3), keepdims=True)))
+    s = jnp.einsum("bthm,bthd->bhmd", pk, v.astype(jnp.float32))
+    den = jnp.einsum("bthm,bhm->bth", pq, jnp.sum(pk, axis=1))
+    return jnp.einsum("bthm,bhmd->bthd", pq, s) / den[..., None]
+
+
+def linear_elu_peer(q, k, v, params=None, rng=None, *, mask=None, causal=False,
+                    deterministic=False):  # fmt: skip
+    """fast-transformers' ``LinearAttention`` (``elu_feature_map``, ``eps=1e-6``),
+    non-causal, ``[B, T, H, D]`` in and out; `mask` zeroes the keys it drops (its
+    ``key_lengths`` mask)."""
+    del params, rng, deterministic
+    if causal:
+        raise ValueError("linear_elu_peer: the stand-in has no causal form")
+    pq = jax.nn.elu(q.astype(jnp.float32)) + 1.0
+    pk = jax.nn.elu(k.astype(jnp.float32)) + 1.0
+    if mask is not None:
+        pk = pk * mask[:, :, None, None]
+    s = jnp.einsum("bthm,bthd->bhmd", pk, v.astype(jnp.float32))
+    den = jnp.einsum("bthm,bhm->bth", pq, jnp.sum(pk, axis=1)) + 1e-6
+    return jnp.einsum("bthm,bhmd->bthd", pq, s) / den[..., None]
+
+
 def performer_peer_attention(
     q, k, v, params=None, rng=None, *, mask=None, causal=False, deterministic=False,
     num_features=256,
@@ -98,6 +160,20 @@ TRAINING_PEERS = {
         stochastic=True,
         fixed_fn=lambda **_: frozenset({"bank"}),
         description="public RFA (stand-in): a stored matrix bank, one sample per step",
+    ),
+    "hedgehog": dict(
+        init_fn=hedgehog_peer_init,
+        attention_fn=hedgehog_peer,
+        supports_causal=False,
+        stochastic=False,
+        description="the Hedgehog paper's map (stand-in): exp, separate query and key maps",
+    ),
+    "linear_elu": dict(
+        init_fn=lambda rng, *, num_heads, head_dim: {},
+        attention_fn=linear_elu_peer,
+        supports_causal=False,
+        stochastic=False,
+        description="fast-transformers' LinearAttention (stand-in): elu + 1, eps 1e-6",
     ),
 }
 
