@@ -91,7 +91,8 @@ def test_subspace_command_runs_every_seed_and_tabulates(tmp_path, monkeypatch, c
     assert [r["seed"] for r in result["rows"]] == [s for s in (0, 1) for _ in names]
     assert all(r["kl_gaussian"] == 0.018 for r in result["rows"])
     assert result["config"]["steps"] == 7 and result["config"]["seeds"] == 2
-    assert result["config"]["lr"] == 0.02
+    assert result["config"]["lr"] == 0.02 and result["config"]["features"] == "positive"
+    assert result["config"]["batch"] == 8 and result["config"]["beta"] == 3.0  # the defaults
     assert json.loads(out.read_text()) == result
     table = capsys.readouterr().out
     assert "positive features, M = 32, 7 Adam steps (lr 0.02)" in table

@@ -59,6 +59,7 @@ the trig map's bounds (docs/flexformer.md, "Kernel recovery").
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import time
 
@@ -389,6 +390,10 @@ def subspace_table(rows, config) -> str:
     return "\n".join(lines)
 
 
+#: `fit_subspace`'s keyword defaults (what a `run_subspace` result reports when not given)
+_FIT_DEFAULTS = {n: p.default for n, p in inspect.signature(fit_subspace).parameters.items()}
+
+
 def run_subspace(mechanisms=SUBSPACE_MECHANISMS, *, log=None, **kw) -> dict:
     """`fit_subspace` for each of `mechanisms` (same seed and data); `kw` as its keywords."""
     refs = subspace_references(
@@ -403,11 +408,11 @@ def run_subspace(mechanisms=SUBSPACE_MECHANISMS, *, log=None, **kw) -> dict:
                 f"kernel_fit subspace {name}: KL {row['kl_init']:.4f} -> {row['kl_end']:.4f},"
                 f" var on {row['var_on']:.3g} off {row['var_off']:.3g}"
             )
-    config = {
-        "steps": 1500, "batch": 8, "seq_len": 32, "head_dim": 16, "rank": 4, "beta": 3.0,
-        "num_features": 32, "lr": 1e-2, "seed": 0, "features": "trig",
-    }  # fmt: skip
-    config.update({k: v for k, v in kw.items() if k in config})
+    shown = ("steps", "batch", "seq_len", "head_dim", "rank", "beta", "num_features", "lr", "seed")
+    config = {k: kw.get(k, _FIT_DEFAULTS[k]) for k in shown}
+    # the feature kind each fit ran with: the flexformers' own default unless given
+    fn = la.get(mechanisms[0]).attention_fn
+    config["features"] = kw.get("features", inspect.signature(fn).parameters["features"].default)
     return {"kind": "kernel_fit_subspace", "config": config, "rows": rows}
 
 
