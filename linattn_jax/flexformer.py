@@ -1,7 +1,8 @@
 """Flexformer: learnable spectral random Fourier features (seed 000), linear attention through
-the shared core (`core.attend_features`) with trigonometric features of the scaled inputs
-``x^ = x d^(-1/4)``. The math as implemented, the measurements behind every default and
-the departures from the paper are in docs/flexformer.md ("The mechanisms as implemented").
+the shared core (`core.attend_features`) with features of the scaled inputs ``x^ = x d^(-1/4)``
+(trigonometric as written below, or positive: "Feature kinds"). The math as implemented, the
+measurements behind every default and the departures from the paper are in docs/flexformer.md
+("The mechanisms as implemented").
 
 ``flexformer_s`` (stationary, Bochner): learnable frequencies ``Omega [H, M, d]`` (init
 ``N(0, 1)``) and a per-head temperature ``a = exp(params["log_scale"])`` (init 1)::
@@ -36,10 +37,15 @@ unchanged bit for bit). ``qk_radius=None, den_floor=0`` is the seed's raw map. T
 factor is never formed: dropped for queries (it cancels), the core's detached
 ``key_log_scale`` for keys (the running maximum when causal).
 
-Options: ``features="positive"`` replaces the trigonometric map by FAVOR+'s positive features
-of the same learned frequencies (`linattn_jax.flexformer_positive`; flexformer_n's pair summed
-as its trigonometric map sums it): the same kernel at init, M features, every weight positive,
-so no floor; ``learn_frequencies=False`` freezes the frequencies (the fixed-kernel RFF
+Feature kinds (`DEFAULT_FEATURES`): ``features="positive"`` replaces the trigonometric map by
+FAVOR+'s positive features of the same learned frequencies (`linattn_jax.flexformer_positive`;
+flexformer_n's pair summed as its trigonometric map sums it): the same kernel at init, M
+features, every weight positive, so no floor. It is **flexformer_n's default**, a departure
+from the paper's trigonometric map (``features="trig"``), because it trained better than the
+trigonometric pair on both equal-budget tasks by the claims' rule (docs/flexformer-ablations.md);
+flexformer_s keeps the paper's map by default (its positive form was not measured there).
+
+Options: ``learn_frequencies=False`` freezes the frequencies (the fixed-kernel RFF
 estimator; the temperature stays learnable);
 ``init_method="orthogonal"`` draws orthogonal blocks (`performer.orthogonal_features`);
 ``pair_init`` / ``pair_jitter`` set ``Omega2`` (`init_n`); ``init_scale`` multiplies the
@@ -67,6 +73,8 @@ _f32 = jnp.float32
 _INIT_METHODS = ("gaussian", "orthogonal")
 _PAIR_INITS = ("jitter", "tied", "independent")
 FEATURES = ("trig", "positive")  # the feature kinds (module docstring, "Options")
+#: each variant's default feature kind (module docstring, "Defaults")
+DEFAULT_FEATURES = {"s": "trig", "n": "positive"}
 PAIR_JITTER = 0.1  # default flexformer_n pair jitter (see init_n)
 QK_RADIUS = 1.0  # default |q^| = |k^| before the map (module docstring, "Stability")
 DEN_FLOOR = 0.05  # default relative denominator floor (module docstring, "Stability")
@@ -360,7 +368,14 @@ def feature_map_s(
 
 
 def feature_map_n(
-    x, params, *, is_query: bool, mask=None, qk_radius=QK_RADIUS, freq_scale=None, features="trig"
+    x,
+    params,
+    *,
+    is_query: bool,
+    mask=None,
+    qk_radius=QK_RADIUS,
+    freq_scale=None,
+    features="positive",
 ):
     """Stabilised ``flexformer_n`` features ``[B, T, H, d] -> [B, T, H, 2M]`` float32.
 
@@ -404,17 +419,19 @@ def from_direct_params(params, *, freq_scale=None):
     return params
 
 
-def kernel(q, k, params, *, qk_radius=QK_RADIUS, freq_scale=None, features="trig"):
+def kernel(q, k, params, *, qk_radius=QK_RADIUS, freq_scale=None, features=None):
     """The unstabilised kernel estimate ``phi~(q_i) . phi~(k_j)`` as ``[B, H, Tq, Tk]`` float32.
 
     For inspection, plots and tests (the variant is read off the param names).
     ``q: [B, Tq, H, d]``, ``k: [B, Tk, H, d]``. At init its expectation over the
     frequencies is ``exp(q . k / sqrt d)``. Not stabilised: it overflows for
-    large norms, exactly as the kernel itself does. ``features="positive"``: the positive
-    estimate ``phi+(q_i) . phi+(k_j)`` (`flexformer_positive`; the raw map of flexformer_n
-    with its norm term), every entry positive.
+    large norms, exactly as the kernel itself does. `features`: the variant's default
+    (`DEFAULT_FEATURES`) when None; ``"positive"``: the positive estimate ``phi+(q_i) .
+    phi+(k_j)`` (`flexformer_positive`; the raw map of flexformer_n with its norm term),
+    every entry positive.
     """
     variant = _variant(params)
+    features = DEFAULT_FEATURES[variant] if features is None else features
     parts = _feature_parts("flexformer_" + variant, features)
     sq, pq = parts(variant, q, params, qk_radius, freq_scale)
     sk, pk = parts(variant, k, params, qk_radius, freq_scale)
@@ -481,8 +498,10 @@ def _feature_map(variant):
     # cancels `heads_last` and its split drops the channel again without a transpose
     name = "flexformer_" + variant
 
+    default = DEFAULT_FEATURES[variant]
+
     def query(
-        q, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None, features="trig"
+        q, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None, features=default
     ):
         _feature_parts(name, features)
         if features == "positive":  # heads last already; its per-token max cancels; no floor
@@ -491,7 +510,7 @@ def _feature_map(variant):
         return core.heads_last(core.mass_channel(phi, is_query=True) if den_floor else phi)
 
     def key(
-        k, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None, features="trig"
+        k, params, *, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None, features=default
     ):
         _feature_parts(name, features)
         if features == "positive":  # the per-token max as the key's log scale; no floor
@@ -501,7 +520,7 @@ def _feature_map(variant):
         phi = core.mass_channel(phi, is_query=False) if den_floor else phi
         return core.KeyFeatures(core.heads_last(phi), s[..., 0])
 
-    def floor(*, den_floor=DEN_FLOOR, features="trig"):
+    def floor(*, den_floor=DEN_FLOOR, features=default):
         # positive features have positive denominators: the floor (made for cancelling
         # trigonometric sums) would only shrink the rows of sharp kernels
         return 0.0 if features == "positive" else den_floor
@@ -579,7 +598,7 @@ def reference_s(
 def attention_n(
     q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64,
     learn_frequencies=True, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None,
-    features="trig",
+    features="positive",
 ):  # fmt: skip
     """``flexformer_n`` attention ``[B, Tq, H, Dv]``; as `attention_s` with the paired
     features. ``learn_frequencies=False`` stops gradients to ``omega1_tilde``,
@@ -595,7 +614,7 @@ def attention_n(
 def reference_n(
     q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64,
     learn_frequencies=True, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None,
-    features="trig",
+    features="positive",
 ):  # fmt: skip
     """The naive quadratic form of `attention_n` (same features)."""
     del rng, deterministic
@@ -647,7 +666,7 @@ MECHANISM_N = register(
         fixed_fn=_fixed_n,
         feature_map_spec=FEATURE_MAPS["flexformer_n"],
         params_config_fn=lambda params: _params_config(params, FREQ_KEYS["n"][0]),
-        description="learnable spectral RFF pairs + scale, non-stationary (Yaglom); "
-        "Flexformer_n, O(T)",
+        description="learnable spectral RFF pairs + scale, non-stationary (Yaglom), positive "
+        "features by default; Flexformer_n, O(T)",
     )
 )

@@ -172,7 +172,7 @@ def test_missing_params_is_a_clear_error(name):
 
 #: Mechanisms with a hand-written VJP on their path (docs/api-contract.md, "Dtypes and
 #: numerics"): forward-mode autodiff raises through them.
-REVERSE_MODE_ONLY = {"flexformer_s", "flexformer_n", "soft", "laplacian", "lara"}
+REVERSE_MODE_ONLY = {"flexformer_s", "soft", "laplacian", "lara"}
 
 
 @pytest.mark.parametrize("name", la.names())

@@ -31,10 +31,10 @@ def test_denominators_have_the_sign_of_the_kernel_row_sums():
     mask = jnp.arange(12)[None, :] < jnp.array([[12], [9]])
     params = la.get("flexformer_n").init(jax.random.key(1), num_heads=2, head_dim=8,
                                          num_features=4)  # fmt: skip
-    raw = (("qk_radius", None),)
+    raw = (("qk_radius", None), ("features", "trig"))
     for causal in (False, True):
         den = ba.denominators("flexformer_n", params, q, k, mask=mask, causal=causal, config=raw)
-        kern = ff.kernel(q, k, params, qk_radius=None)  # [B, H, Tq, Tk]
+        kern = ff.kernel(q, k, params, qk_radius=None, features="trig")  # [B, H, Tq, Tk]
         vis = mask[:, None, None, :] & (
             jnp.tril(jnp.ones((1, 1, 12, 12), bool)) if causal else True
         )

@@ -14,7 +14,10 @@ from linattn_jax.core import causal as core_causal
 
 #: The feature-map mechanisms; every other mechanism has ``feature_map is None``.
 FEATURE_MAP_NAMES = ["linear_elu", "performer", "rfa", "hedgehog", "flexformer_s", "flexformer_n"]
-_CASES = [(n, {}) for n in FEATURE_MAP_NAMES] + [("rfa", {"gate": True})]
+_CASES = [(n, {}) for n in FEATURE_MAP_NAMES] + [
+    ("rfa", {"gate": True}),
+    ("flexformer_n", {"features": "trig"}),  # its default is the positive map
+]
 
 
 def test_which_mechanisms_are_feature_maps():
@@ -140,7 +143,7 @@ def test_causal_features_in_the_scan_equal_the_whole_sequence_features(name, con
 
     runs = [run(fm.bind(**config))]
     g_whole, out_whole = run(whole.bind(**config))
-    if fm.floor_fn is not None:
+    if fm.bind(**config).den_floor() > 0:
         # the scan asks a floor read from the config for features without the mass channel;
         # a floor that ignores the config keeps the channel in the features' last column
         runs.append(run(dataclasses.replace(fm, floor_fn=lambda: 0.5).bind(**config)))

@@ -112,7 +112,7 @@ def test_stabilised_features_give_kernel_weights(name):
     q, k, _ = _inputs(jax.random.key(1), t=9)
     p = _params(name, jax.random.key(2))
     mask = _mask(2, 9)
-    fmap = FMAP[name]
+    fmap = functools.partial(FMAP[name], features="trig")  # the map written out below
 
     def trig(x):  # the bare trig features, written out independently (omega = sqrt(d) omega~)
         xh = x * 8**-0.25
@@ -129,7 +129,7 @@ def test_stabilised_features_give_kernel_weights(name):
         phi_q = fmap(q, p, is_query=True, qk_radius=None)
         phi_k = fmap(k, p, is_query=False, mask=mask, qk_radius=None)
         w = core.normalized_weights(phi_q, phi_k, mask=mask)
-        a = ff.kernel(q, k, p, qk_radius=None) * mask[:, None, None, :]
+        a = ff.kernel(q, k, p, qk_radius=None, features="trig") * mask[:, None, None, :]
         expected = a / jnp.sum(a, axis=-1, keepdims=True)
         # Key factor exp(s_j - c) = |phi~_stab(k_j)| / |phi(k_j)|.
         factor = jnp.linalg.norm(phi_k, axis=-1) / jnp.linalg.norm(trig(k), axis=-1)
@@ -188,18 +188,19 @@ def test_init_shapes_and_values():
 @pytest.mark.parametrize("causal", [False, True])
 def test_n_equals_s_at_init(causal):
     """At the tied init (omega1 = omega2 = omega, tau = log(2 sqrt d)) flexformer_n ==
-    flexformer_s."""
+    flexformer_s, with either feature kind."""
     q, k, v = _inputs(jax.random.key(3), t=13)
     mask = _mask(2, 13)
     s, n = la.get("flexformer_s"), la.get("flexformer_n")
     ps = s.init(jax.random.key(4), num_heads=2, head_dim=8, num_features=32)
     pn = n.init(jax.random.key(4), num_heads=2, head_dim=8, num_features=32, pair_init="tied")
     np.testing.assert_array_equal(pn["omega1_tilde"], ps["omega_tilde"])
-    out_s = s.attention(q, k, v, ps, mask=mask, causal=causal, chunk_size=4)
-    out_n = n.attention(q, k, v, pn, mask=mask, causal=causal, chunk_size=4)
-    _close(out_n, out_s, 1e-5, "flexformer_n vs flexformer_s at init")
-    a_s, a_n = ff.kernel(q, k, ps), ff.kernel(q, k, pn)
-    _close(a_n, a_s, 1e-5, "kernels at init")
+    for features in ff.FEATURES:
+        out_s = s.attention(q, k, v, ps, mask=mask, causal=causal, chunk_size=4, features=features)
+        out_n = n.attention(q, k, v, pn, mask=mask, causal=causal, chunk_size=4, features=features)
+        _close(out_n, out_s, 1e-5, f"flexformer_n vs flexformer_s at init, {features}")
+        a_s, a_n = (ff.kernel(q, k, p, features=features) for p in (ps, pn))
+        _close(a_n, a_s, 1e-5, f"kernels at init, {features}")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -369,7 +370,8 @@ def _laplace_attention(q, k, v, lam):
 
 
 def _fit(name, q, k, v, target, init_key, m, steps=300, lr=0.1):
-    mech = la.get(name).bind(qk_radius=None)  # a kernel of the raw inputs
+    # a trigonometric kernel of the raw inputs
+    mech = la.get(name).bind(qk_radius=None, features="trig")
     params = mech.init(init_key, num_heads=q.shape[2], head_dim=q.shape[3], num_features=m)
     opt = optax.adam(lr)
 
@@ -387,7 +389,8 @@ def _fit(name, q, k, v, target, init_key, m, steps=300, lr=0.1):
 
 
 def test_fit_laplace_attention():
-    """Fit only the mechanism params to exp(-|q - k|_1 / lambda) attention: both losses fall
+    """Fit only the mechanism params to exp(-|q - k|_1 / lambda) attention (the trigonometric
+    maps, whose frequencies can hold a Laplace kernel's Cauchy spectrum): both losses fall
     clearly and end below performer with frozen features (same feature dimension); the
     non-stationary variant ends at or below the stationary one (measured on these 3 seeds)."""
     b, t, h, d, m, lam = 1, 32, 1, 4, 64, 1.0
@@ -560,7 +563,7 @@ def test_den_floor_bounds_sharp_learned_kernels(name):
     q, k, v = _inputs(jax.random.key(42), t=16)
     p = _params(name, jax.random.key(43))
     sharp = {n: (6.0 * x if n.startswith("omega") else x) for n, x in p.items()}
-    mech = la.get(name)
+    mech = la.get(name).bind(features="trig")  # the floor is the trigonometric map's
     gamma = mech.defaults["den_floor"]
     fm = mech.feature_map
     for causal in (False, True):
@@ -568,15 +571,20 @@ def test_den_floor_bounds_sharp_learned_kernels(name):
             fm.query(q, sharp), fm.key(k, sharp).phi, causal=causal, den_floor=gamma
         )
         assert float(jnp.max(jnp.sum(jnp.abs(w), -1))) <= (1 + 1e-5) / gamma
-        out = _jit(name)(q, k, v, sharp, causal=causal, chunk_size=4)
+        out = _jit(name, features="trig")(q, k, v, sharp, causal=causal, chunk_size=4)
         _close(out, jnp.einsum("bhij,bjhd->bihd", w, v), 1e-4, "attention vs floored weights")
         fm0 = mech.bind(den_floor=0.0).feature_map
         w0 = core.normalized_weights(fm0.query(q, sharp), fm0.key(k, sharp).phi, causal=causal)
         assert float(jnp.max(jnp.sum(jnp.abs(w0), -1))) > 1 / gamma
     # Non-causal at the init scale no row is floored (|den| >= 0.2 x its bound here); the
     # first causal rows, with one or two keys, can be.
-    base = _jit(name)(q, k, v, p, chunk_size=4)
-    _close(base, _jit(name, den_floor=0.0)(q, k, v, p, chunk_size=4), 1e-6, "unchanged at init")
+    base = _jit(name, features="trig")(q, k, v, p, chunk_size=4)
+    _close(
+        base,
+        _jit(name, den_floor=0.0, features="trig")(q, k, v, p, chunk_size=4),
+        1e-6,
+        "unchanged at init",
+    )
     for bad in (1.0, -0.1, True, "0.1"):
         with pytest.raises(ValueError, match="den_floor"):
             mech.attention(q, k, v, p, den_floor=bad)

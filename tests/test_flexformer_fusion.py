@@ -21,7 +21,7 @@ def test_each_projection_computes_its_sin_cos_pair_in_one_fusion(name, causal, o
     # recomputing cos and sin from the projection (two fusions per projection before: the
     # cos half and the sin half each redoing the range reduction)
     b, t, h, d = 1, 24, 2, 4
-    mech = la.get(name)
+    mech = la.get(name).bind(features="trig")
     params = mech.init(jax.random.key(0), num_heads=h, head_dim=d, num_features=10)
     q, k, v = jax.random.normal(jax.random.key(1), (3, b, t, h, d))
 

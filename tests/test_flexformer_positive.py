@@ -193,7 +193,7 @@ def test_positive_matches_reference_and_stays_positive(name, causal):
         _close(g_fast[3][key], g_ref[3][key], grad_tol, f"grad {key}")
     mech = la.get(name)
     assert mech.bind(features="positive").feature_map.den_floor() == 0.0
-    assert mech.feature_map.den_floor() > 0
+    assert mech.bind(features="trig").feature_map.den_floor() > 0
     assert float(jnp.min(w)) >= 0.0
     visible = jnp.broadcast_to(mask[:, None, None, :], w.shape)
     if causal:

@@ -410,9 +410,8 @@ def run_subspace(mechanisms=SUBSPACE_MECHANISMS, *, log=None, **kw) -> dict:
             )
     shown = ("steps", "batch", "seq_len", "head_dim", "rank", "beta", "num_features", "lr", "seed")
     config = {k: kw.get(k, _FIT_DEFAULTS[k]) for k in shown}
-    # the feature kind each fit ran with: the flexformers' own default unless given
-    fn = la.get(mechanisms[0]).attention_fn
-    config["features"] = kw.get("features", inspect.signature(fn).parameters["features"].default)
+    # the feature kind the fits ran with (not given: each mechanism's own default)
+    config["features"] = kw.get("features", "default")
     return {"kind": "kernel_fit_subspace", "config": config, "rows": rows}
 
 

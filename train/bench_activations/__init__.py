@@ -3,11 +3,12 @@ models produce, at init and after training steps (issues 19 and 13).
 
 Four sections, each a markdown table on stdout (``--out FILE`` also writes them):
 
-``denominators`` (Flexformer, "stable features"). A model with the default ``flexformer_n``
-attention is built and trained for ``--steps`` steps on three workloads: the LRA encoder
-on ListOps mini (`train.configs.listops`), the ViT mini preset on generated CIFAR-shaped
-images (`mock_image_task`; nothing is downloaded) and the byte LM mini preset (the Python
-standard library's sources). At init and at the end, the q and k every attention layer
+``denominators`` (Flexformer, "stable features"). A model with ``flexformer_n`` attention
+and its trigonometric features (``features="trig"``, the map this section is about) is built
+and trained for ``--steps`` steps on three workloads: the LRA encoder on ListOps mini
+(`train.configs.listops`), the ViT mini preset on generated CIFAR-shaped images
+(`mock_image_task`; nothing is downloaded) and the byte LM mini preset (the Python standard
+library's sources). At init and at the end, the q and k every attention layer
 receives on ``--examples`` training examples are captured (`capture`), in float32 and cast to
 bfloat16, and the denominators ``den_i = sum_j phi(q_i) . phi~(k_j)`` of the linear
 attention (all keys; ``j <= i`` when causal, with the running-max key stabiliser of the core)

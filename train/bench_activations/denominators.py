@@ -93,10 +93,13 @@ def floor_stats(stats, row_masks, gamma: float):
     return floored / total, worst, worst_raw
 
 
+#: the trigonometric map, whose denominators this section checks (flexformer_n's default
+#: features are positive: positive denominators by construction)
+TRIG = (("features", "trig"),)
 _COLUMNS = {  # column: (mechanism, params: the layer's own or a fresh init, config)
-    "flexformer_s": ("flexformer_s", None, ()),
-    "flexformer_n": ("flexformer_n", "own", ()),
-    "flexformer_n raw": ("flexformer_n", "own", (("qk_radius", None), ("den_floor", 0.0))),
+    "flexformer_s": ("flexformer_s", None, TRIG),
+    "flexformer_n": ("flexformer_n", "own", TRIG),
+    "flexformer_n raw": ("flexformer_n", "own", (*TRIG, ("qk_radius", None), ("den_floor", 0.0))),
     "performer": ("performer", None, ()),
 }
 
@@ -156,6 +159,7 @@ def denominator_section(steps: int, examples: int, train_den_floor=None) -> tupl
     bounded, init_clean = True, True
     for task, preset in _DENOM_WORKLOADS:
         config = workload_config(task, preset, "flexformer_n")
+        config.attention_config = {**config.attention_config, **dict(TRIG)}
         if train_den_floor is not None:
             config.attention_config = {**config.attention_config, "den_floor": train_den_floor}
         m = int(config.attention_config.get("num_features", 128))

@@ -110,6 +110,9 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
             "bandwidth": {"attention_config.learn_bandwidth": True},
             "raw": {"attention_config.qk_radius": None},
             "positive": {"attention_config.features": "positive"},
+            # the paper's trigonometric pair (flexformer_n's default before the positive pair
+            # won both tasks; docs/flexformer-ablations.md)
+            "trig": {"attention_config.features": "trig"},
             # positive features with the frequencies stored at twice the default scale
             # (omega = 8 omega~ at d = 16: omega~ at the init scale of a width-64 Dense)
             "positive_c8": {
