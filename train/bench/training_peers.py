@@ -32,6 +32,15 @@ RFA_EPS = 0.1
 RFA_BANK = 200
 
 
+def _linear_sums(pq, pk, v):
+    """Non-causal linear attention's numerator ``phi(q_i) . sum_j phi(k_j) v_j^T`` ``[B, T,
+    H, D]`` and denominator ``phi(q_i) . sum_j phi(k_j)`` ``[B, T, H]`` from the features
+    ``[B, T, H, M]`` (each peer applies its own denominator rule)."""
+    s = jnp.einsum("bthm,bthd->bhmd", pk, v.astype(jnp.float32))
+    den = jnp.einsum("bthm,bhm->bth", pq, jnp.sum(pk, axis=1))
+    return jnp.einsum("bthm,bhmd->bthd", pq, s), den
+
+
 def rfa_peer_init(rng, *, num_heads: int, head_dim: int, num_features: int = 64):
     """The public RFA's state: ``bank [RFA_BANK, M, d]`` Gaussian matrices (its ``rrf``
     files, loaded as a non-trainable parameter) and ``sigma [H, 1, d]`` (its
@@ -73,10 +82,8 @@ def rfa_peer(
     qp, kp = phi(q), phi(k)
     if mask is not None:
         kp = kp * mask[:, :, None, None]
-    s = jnp.einsum("bthm,bthd->bhmd", kp, v)
-    z = jnp.sum(kp, axis=1)  # [B, H, 2M]
-    den = jnp.maximum(jnp.einsum("bthm,bhm->bth", qp, z), RFA_EPS)
-    return jnp.einsum("bthm,bhmd->bthd", qp, s) / den[..., None]
+    num, den = _linear_sums(qp, kp, v)
+    return num / jnp.maximum(den, RFA_EPS)[..., None]
 
 
 def hedgehog_peer_init(rng, *, num_heads: int, head_dim: int):
@@ -111,9 +118,8 @@ def hedgehog_peer(q, k, v, params, rng=None, *, mask=None, causal=False, determi
         ak = jnp.where(mask[:, :, None, None], ak, -jnp.inf)
     pq = jnp.exp(aq - lax.stop_gradient(jnp.max(aq, axis=-1, keepdims=True)))
     pk = jnp.exp(ak - lax.stop_gradient(jnp.max(ak, axis=(1, 3), keepdims=True)))
-    s = jnp.einsum("bthm,bthd->bhmd", pk, v.astype(jnp.float32))
-    den = jnp.einsum("bthm,bhm->bth", pq, jnp.sum(pk, axis=1))
-    return jnp.einsum("bthm,bhmd->bthd", pq, s) / den[..., None]
+    num, den = _linear_sums(pq, pk, v)
+    return num / den[..., None]
 
 
 def linear_elu_peer(q, k, v, params=None, rng=None, *, mask=None, causal=False,
@@ -128,9 +134,8 @@ def linear_elu_peer(q, k, v, params=None, rng=None, *, mask=None, causal=False,
     pk = jax.nn.elu(k.astype(jnp.float32)) + 1.0
     if mask is not None:
         pk = pk * mask[:, :, None, None]
-    s = jnp.einsum("bthm,bthd->bhmd", pk, v.astype(jnp.float32))
-    den = jnp.einsum("bthm,bhm->bth", pq, jnp.sum(pk, axis=1)) + 1e-6
-    return jnp.einsum("bthm,bhmd->bthd", pq, s) / den[..., None]
+    num, den = _linear_sums(pq, pk, v)
+    return num / (den + 1e-6)[..., None]
 
 
 def performer_peer_attention(
