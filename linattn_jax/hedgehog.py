@@ -9,6 +9,15 @@ FAVOR+ does), so no feature underflows to 0 at large ``|W x + b|``: a query and 
 whose large features sit on different axes still have ``phi(q) . phi(k) >= FEATURE_EPS /
 d`` of their scale, and the attention ratio stays exact (with every key identical it is
 the mean of v at any input scale) instead of meeting the core's denominator guard.
+
+Options, the paper's own form: ``features="exp"`` is the paper's element-wise
+``phi(x) = [exp(W x + b); exp(-(W x + b))]`` (its listing; the softmax over the feature axis
+divides each key's features by their sum, which changes the kernel, and each query's, which
+cancels). Stable as performer is: a query's features are divided by their largest entry (it
+cancels), a key's largest entry becomes its log-scale (`core.KeyFeatures`), and
+`FEATURE_EPS` is added as above. ``separate_maps=True`` (an init option) gives the keys their
+own ``Wk, bk`` (``"wk"``, ``"bk"``), as the paper's ``mlp_q`` and ``mlp_k``; without them
+queries and keys share one map.
 """
 
 from __future__ import annotations
@@ -21,16 +30,19 @@ from linattn_jax.registry import Mechanism, register
 
 #: Added to every softmax feature, relative to the largest one of its half (see above).
 FEATURE_EPS = 1e-6
+#: The feature forms (module docstring): ours and the paper's element-wise exp.
+FEATURES = ("softmax", "exp")
 
 
-def init(rng, *, num_heads: int, head_dim: int):
-    """``{"w": [H, d, d] identity, "b": [H, d] zeros}``."""
+def init(rng, *, num_heads: int, head_dim: int, separate_maps: bool = False):
+    """``{"w": [H, d, d] identity, "b": [H, d] zeros}``, and the keys' own ``"wk"``, ``"bk"``
+    (the same init) with `separate_maps`."""
     del rng
+    _checks.check_bool("hedgehog", "separate_maps", separate_maps)
     eye = jnp.eye(head_dim, dtype=jnp.float32)
-    return {
-        "w": jnp.broadcast_to(eye, (num_heads, head_dim, head_dim)),
-        "b": jnp.zeros((num_heads, head_dim), jnp.float32),
-    }
+    w = jnp.broadcast_to(eye, (num_heads, head_dim, head_dim))
+    b = jnp.zeros((num_heads, head_dim), jnp.float32)
+    return {"w": w, "b": b, **({"wk": w, "bk": b} if separate_maps else {})}
 
 
 def _softmax(a):
@@ -40,27 +52,56 @@ def _softmax(a):
     return p + FEATURE_EPS * jnp.max(p, axis=-1, keepdims=True)
 
 
-def feature_map(x, params):
-    """``[B, T, H, d] -> [B, T, H, 2d]`` float32, positive, each half summing to 1 (to
-    ``1 + d FEATURE_EPS`` of its largest entry)."""
+def _logits(x, params, is_key):
+    """``[W x + b; -(W x + b)]`` heads first ``[B, H, T, 2d]`` float32 (the keys' own map
+    when the params have one)."""
+    w, b = ("wk", "bk") if is_key and "wk" in params else ("w", "b")
     # heads first, as the per-head product writes it (`core.heads_last`)
-    a = jnp.einsum("bthd,hed->bhte", x.astype(jnp.float32), params["w"])
-    a = a + params["b"][None, :, None]
-    return core.heads_last(jnp.concatenate([_softmax(a), _softmax(-a)], axis=-1))
+    a = jnp.einsum("bthd,hed->bhte", x.astype(jnp.float32), params[w])
+    a = a + params[b][None, :, None]
+    return jnp.concatenate([a, -a], axis=-1)
+
+
+def feature_map(x, params, *, features="softmax", is_key=False):
+    """``[B, T, H, d] -> [B, T, H, 2d]`` float32, positive. ``"softmax"``: each half sums to 1
+    (to ``1 + d FEATURE_EPS`` of its largest entry); ``"exp"``: ``exp(a - max a) +
+    FEATURE_EPS``, the paper's features over their largest, whose log (``max a``, ``[B, T,
+    H]``) a key carries as its log-scale (`key_features`)."""
+    _checks.check_choice("hedgehog", "features", features, FEATURES)
+    a = _logits(x, params, is_key)
+    if features == "exp":
+        top = jax.lax.stop_gradient(jnp.max(a, axis=-1, keepdims=True))
+        return core.heads_last(jnp.exp(a - top) + FEATURE_EPS)
+    d = a.shape[-1] // 2
+    return core.heads_last(jnp.concatenate([_softmax(a[..., :d]), _softmax(a[..., d:])], -1))
+
+
+def key_features(k, params, *, features="softmax"):
+    """`core.KeyFeatures` of the keys: `feature_map`'s, with ``"exp"`` the largest logit of
+    each key as its log-scale (the exact paper features, stabilised by the core)."""
+    phi = feature_map(k, params, features=features, is_key=True)
+    if features != "exp":
+        return core.KeyFeatures(phi)
+    top = jax.lax.stop_gradient(jnp.max(_logits(k, params, True), axis=-1))  # [B, H, T]
+    return core.KeyFeatures(phi, jnp.swapaxes(top, 1, 2))
 
 
 FEATURE_MAP = core.FeatureMap(
     query_fn=feature_map,
-    key_fn=lambda k, params: core.KeyFeatures(feature_map(k, params)),
+    key_fn=key_features,
     token_wise=True,
 )
 
 
-def _attend(q, k, v, params, mask, causal, chunk_size, quadratic):
+def _attend(q, k, v, params, mask, causal, chunk_size, quadratic, features):
     _checks.check_inputs("hedgehog", q, k, v, mask, causal=causal)
     _checks.check_positive("hedgehog", chunk_size=chunk_size)
+    _checks.check_choice("hedgehog", "features", features, FEATURES)
     h, d = q.shape[2], q.shape[3]
-    _checks.check_params("hedgehog", params, {"w": (h, d, d), "b": (h, d)})
+    expected = {"w": (h, d, d), "b": (h, d)}
+    if isinstance(params, dict) and ("wk" in params or "bk" in params):
+        expected.update(wk=(h, d, d), bk=(h, d))  # the keys' own map (separate_maps)
+    _checks.check_params("hedgehog", params, expected)
     return core.attend_features(
         FEATURE_MAP,
         q,
@@ -71,23 +112,28 @@ def _attend(q, k, v, params, mask, causal, chunk_size, quadratic):
         causal=causal,
         chunk_size=chunk_size,
         quadratic=quadratic,
+        features=features,
     )
 
 
 def attention(
-    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64
-):
-    """Hedgehog attention ``[B, Tq, H, Dv]``; `rng` and `deterministic` are unused."""
+    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64,
+    features="softmax",
+):  # fmt: skip
+    """Hedgehog attention ``[B, Tq, H, Dv]``: ``phi(q_i)^T S / phi(q_i)^T z`` over the keys'
+    features (`feature_map`; ``features="exp"``: the paper's exp form; the keys' own map when
+    `params` has ``"wk"``, ``"bk"``). `rng` and `deterministic` are unused."""
     del rng, deterministic
-    return _attend(q, k, v, params, mask, causal, chunk_size, False)
+    return _attend(q, k, v, params, mask, causal, chunk_size, False, features)
 
 
 def reference(
-    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64
-):
+    q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64,
+    features="softmax",
+):  # fmt: skip
     """The naive quadratic form of `attention` (same features)."""
     del rng, deterministic
-    return _attend(q, k, v, params, mask, causal, chunk_size, True)
+    return _attend(q, k, v, params, mask, causal, chunk_size, True, features)
 
 
 MECHANISM = register(
