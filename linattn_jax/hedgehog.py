@@ -1,23 +1,24 @@
-"""Hedgehog: a learnable softmax feature map (Zhang et al. 2024).
+"""Hedgehog: a learnable feature map that mimics softmax (Zhang et al. 2024).
 
-``phi(x) = [softmax(W x + b); softmax(-(W x + b))]`` over the feature axis, W
-``[H, d, d]`` per head initialised to the identity and b ``[H, d]`` to zero;
-2d positive features, then the shared linear-attention core.
+As the paper's listing computes it (``HedgehogFeatureMap``, ``HedgehogAttention``):
+``phi_q(x) = [exp(Wq x + bq); exp(-(Wq x + bq))]`` for the queries and ``phi_k`` with the keys'
+own ``Wk, bk`` (``"w"``, ``"b"``, ``"wk"``, ``"bk"``: ``[H, d, d]`` per head, initialised to
+the identity, biases to zero); 2d positive features, then the shared linear-attention core.
 
-Each softmax gets `FEATURE_EPS` times its own largest entry added to every entry (as
-FAVOR+ does), so no feature underflows to 0 at large ``|W x + b|``: a query and a key
-whose large features sit on different axes still have ``phi(q) . phi(k) >= FEATURE_EPS /
-d`` of their scale, and the attention ratio stays exact (with every key identical it is
-the mean of v at any input scale) instead of meeting the core's denominator guard.
+Stable as performer is: a query's features are divided by their largest entry (it cancels in
+the ratio), a key's largest logit becomes its log-scale (`core.KeyFeatures`, stabilised by
+the core), and every feature gets `FEATURE_EPS` (times the token's largest, 1) added, so no
+feature underflows to 0 at large ``|W x + b|``: a query and a key whose large features sit
+on different axes keep a dot product of at least that share of their scale, and the ratio
+stays exact (every key identical gives the mean of v at any input scale) instead of meeting
+the core's denominator guard.
 
-Options, the paper's own form: ``features="exp"`` is the paper's element-wise
-``phi(x) = [exp(W x + b); exp(-(W x + b))]`` (its listing; the softmax over the feature axis
-divides each key's features by their sum, which changes the kernel, and each query's, which
-cancels). Stable as performer is: a query's features are divided by their largest entry (it
-cancels), a key's largest entry becomes its log-scale (`core.KeyFeatures`), and
-`FEATURE_EPS` is added as above. ``separate_maps=True`` (an init option) gives the keys their
-own ``Wk, bk`` (``"wk"``, ``"bk"``), as the paper's ``mlp_q`` and ``mlp_k``; without them
-queries and keys share one map.
+Options: ``features="softmax"`` is the form of this project's specification, ``[softmax(W x
++ b); softmax(-(W x + b))]`` over the feature axis, which divides each key's features by
+their sum and so changes the kernel (a query's cancels); ``separate_maps=False`` (an init
+option) shares one map between queries and keys. Both defaults follow the paper: trained in
+the same model and seeds, the specification's form lagged the paper's algorithm on
+Pathfinder mini (docs/baselines.md).
 """
 
 from __future__ import annotations
@@ -28,15 +29,15 @@ import jax.numpy as jnp
 from linattn_jax import _checks, core
 from linattn_jax.registry import Mechanism, register
 
-#: Added to every softmax feature, relative to the largest one of its half (see above).
+#: Added to every feature, relative to the token's largest (softmax: of its half; see above).
 FEATURE_EPS = 1e-6
-#: The feature forms (module docstring): ours and the paper's element-wise exp.
+#: The feature forms (module docstring): the specification's softmax and the paper's exp.
 FEATURES = ("softmax", "exp")
 
 
-def init(rng, *, num_heads: int, head_dim: int, separate_maps: bool = False):
-    """``{"w": [H, d, d] identity, "b": [H, d] zeros}``, and the keys' own ``"wk"``, ``"bk"``
-    (the same init) with `separate_maps`."""
+def init(rng, *, num_heads: int, head_dim: int, separate_maps: bool = True):
+    """``{"w": [H, d, d] identity, "b": [H, d] zeros}`` and, with `separate_maps` (default),
+    the keys' own ``"wk"``, ``"bk"`` (the same init)."""
     del rng
     _checks.check_bool("hedgehog", "separate_maps", separate_maps)
     eye = jnp.eye(head_dim, dtype=jnp.float32)
@@ -62,7 +63,7 @@ def _logits(x, params, is_key):
     return jnp.concatenate([a, -a], axis=-1)
 
 
-def feature_map(x, params, *, features="softmax", is_key=False):
+def feature_map(x, params, *, features="exp", is_key=False):
     """``[B, T, H, d] -> [B, T, H, 2d]`` float32, positive. ``"softmax"``: each half sums to 1
     (to ``1 + d FEATURE_EPS`` of its largest entry); ``"exp"``: ``exp(a - max a) +
     FEATURE_EPS``, the paper's features over their largest, whose log (``max a``, ``[B, T,
@@ -76,7 +77,7 @@ def feature_map(x, params, *, features="softmax", is_key=False):
     return core.heads_last(jnp.concatenate([_softmax(a[..., :d]), _softmax(a[..., d:])], -1))
 
 
-def key_features(k, params, *, features="softmax"):
+def key_features(k, params, *, features="exp"):
     """`core.KeyFeatures` of the keys: `feature_map`'s, with ``"exp"`` the largest logit of
     each key as its log-scale (the exact paper features, stabilised by the core)."""
     phi = feature_map(k, params, features=features, is_key=True)
@@ -118,7 +119,7 @@ def _attend(q, k, v, params, mask, causal, chunk_size, quadratic, features):
 
 def attention(
     q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64,
-    features="softmax",
+    features="exp",
 ):  # fmt: skip
     """Hedgehog attention ``[B, Tq, H, Dv]``: ``phi(q_i)^T S / phi(q_i)^T z`` over the keys'
     features (`feature_map`; ``features="exp"``: the paper's exp form; the keys' own map when
@@ -129,7 +130,7 @@ def attention(
 
 def reference(
     q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64,
-    features="softmax",
+    features="exp",
 ):  # fmt: skip
     """The naive quadratic form of `attention` (same features)."""
     del rng, deterministic
@@ -145,6 +146,7 @@ MECHANISM = register(
         supports_causal=True,
         stochastic=False,
         feature_map_spec=FEATURE_MAP,
-        description="learnable softmax feature map, W init identity (Zhang et al. 2024), O(T)",
+        description="learnable exp feature maps for q and k, W init identity (Zhang et al. "
+        "2024), O(T)",
     )
 )

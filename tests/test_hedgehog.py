@@ -10,11 +10,15 @@ import linattn_jax as la
 
 
 def test_hedgehog_features_and_identity_init():
+    """The default init: identity maps for queries and keys; the specification's softmax
+    form (``features="softmax"``): each half sums to 1, plus its relative eps."""
     mech = la.get("hedgehog")
     params = init(mech, d=8)
+    assert sorted(params) == ["b", "bk", "w", "wk"]
     np.testing.assert_array_equal(params["w"][0], jnp.eye(8))
+    np.testing.assert_array_equal(params["wk"], params["w"])
     q, _, _ = qkv()
-    phi = la.hedgehog.feature_map(q, params)
+    phi = la.hedgehog.feature_map(q, params, features="softmax")
     assert phi.shape == (2, 12, 2, 16) and jnp.all(phi > 0)
     np.testing.assert_allclose(phi[..., :8].sum(-1), 1.0, rtol=1e-5)
     # the softmax plus FEATURE_EPS times its largest entry
@@ -47,11 +51,12 @@ def _paper_attention(q, k, v, params, mask, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_papers_exp_form_with_separate_maps(causal):
-    """``features="exp"`` with ``separate_maps=True`` is the paper's attention (float64, masked
-    keys, a ragged last chunk when causal); at logits past float32's exp range (inputs x30) it
-    stays finite, fast path == reference (there `FEATURE_EPS` lifts features below 1e-6 of a
-    token's largest, as in the softmax form); the fast path's gradients equal the reference's."""
-    mech = la.get("hedgehog").bind(features="exp", separate_maps=True)
+    """The default (``features="exp"``, ``separate_maps=True``) is the paper's attention
+    (float64, masked keys, a ragged last chunk when causal); at logits past float32's exp
+    range (inputs x30) it stays finite, fast path == reference (there `FEATURE_EPS` lifts
+    features below 1e-6 of a token's largest, as in the softmax form); the fast path's
+    gradients equal the reference's."""
+    mech = la.get("hedgehog")  # the defaults: the paper's exp form, the keys' own map
     params = mech.init(jax.random.key(0), num_heads=2, head_dim=8)
     assert sorted(params) == ["b", "bk", "w", "wk"]
     rng = np.random.default_rng(1)
@@ -86,6 +91,6 @@ def test_hedgehog_options_are_checked():
     with pytest.raises(ValueError, match="features"):
         mech.attention(q, k, v, params, features="relu")
     with pytest.raises(ValueError, match="bk"):
-        mech.attention(q, k, v, {**params, "wk": params["w"]})
+        mech.attention(q, k, v, {"w": params["w"], "b": params["b"], "wk": params["w"]})
     with pytest.raises(ValueError, match="separate_maps"):
         mech.bind(separate_maps="yes").init(jax.random.key(0), num_heads=2, head_dim=8)

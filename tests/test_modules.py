@@ -22,7 +22,7 @@ MECH_PARAMS = {
     "linear_elu": 0,
     "performer": 0,  # features are fixed, not trained
     "rfa": H * D,  # sigma
-    "hedgehog": H * D * D + H * D,
+    "hedgehog": 2 * (H * D * D + H * D),  # query and key maps
     "flexformer_s": H * 32 * D + H,  # omega, log_scale
     "flexformer_n": 2 * H * 32 * D + H,  # omega1, omega2, tau
 }
