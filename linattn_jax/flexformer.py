@@ -375,7 +375,7 @@ def feature_map_n(
     mask=None,
     qk_radius=QK_RADIUS,
     freq_scale=None,
-    features="positive",
+    features=DEFAULT_FEATURES["n"],
 ):
     """Stabilised ``flexformer_n`` features ``[B, T, H, d] -> [B, T, H, 2M]`` float32.
 
@@ -598,7 +598,7 @@ def reference_s(
 def attention_n(
     q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64,
     learn_frequencies=True, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None,
-    features="positive",
+    features=DEFAULT_FEATURES["n"],
 ):  # fmt: skip
     """``flexformer_n`` attention ``[B, Tq, H, Dv]``; as `attention_s` with the paired
     features. ``learn_frequencies=False`` stops gradients to ``omega1_tilde``,
@@ -614,7 +614,7 @@ def attention_n(
 def reference_n(
     q, k, v, params, rng=None, *, mask=None, causal=False, deterministic=False, chunk_size=64,
     learn_frequencies=True, qk_radius=QK_RADIUS, den_floor=DEN_FLOOR, freq_scale=None,
-    features="positive",
+    features=DEFAULT_FEATURES["n"],
 ):  # fmt: skip
     """The naive quadratic form of `attention_n` (same features)."""
     del rng, deterministic

@@ -68,23 +68,29 @@ def feature_map(x, params, *, features="exp", is_key=False):
     (to ``1 + d FEATURE_EPS`` of its largest entry); ``"exp"``: ``exp(a - max a) +
     FEATURE_EPS``, the paper's features over their largest, whose log (``max a``, ``[B, T,
     H]``) a key carries as its log-scale (`key_features`)."""
+    return _features(x, params, features, is_key)[0]
+
+
+def _features(x, params, features, is_key):
+    """`feature_map`'s features and, for ``"exp"``, the largest logit ``[B, H, T, 1]`` (else
+    None)."""
     _checks.check_choice("hedgehog", "features", features, FEATURES)
     a = _logits(x, params, is_key)
     if features == "exp":
         top = jax.lax.stop_gradient(jnp.max(a, axis=-1, keepdims=True))
-        return core.heads_last(jnp.exp(a - top) + FEATURE_EPS)
+        return core.heads_last(jnp.exp(a - top) + FEATURE_EPS), top
     d = a.shape[-1] // 2
-    return core.heads_last(jnp.concatenate([_softmax(a[..., :d]), _softmax(a[..., d:])], -1))
+    phi = jnp.concatenate([_softmax(a[..., :d]), _softmax(a[..., d:])], -1)
+    return core.heads_last(phi), None
 
 
 def key_features(k, params, *, features="exp"):
     """`core.KeyFeatures` of the keys: `feature_map`'s, with ``"exp"`` the largest logit of
     each key as its log-scale (the exact paper features, stabilised by the core)."""
-    phi = feature_map(k, params, features=features, is_key=True)
-    if features != "exp":
+    phi, top = _features(k, params, features, True)
+    if top is None:
         return core.KeyFeatures(phi)
-    top = jax.lax.stop_gradient(jnp.max(_logits(k, params, True), axis=-1))  # [B, H, T]
-    return core.KeyFeatures(phi, jnp.swapaxes(top, 1, 2))
+    return core.KeyFeatures(phi, jnp.swapaxes(top[..., 0], 1, 2))
 
 
 FEATURE_MAP = core.FeatureMap(
