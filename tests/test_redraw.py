@@ -85,7 +85,7 @@ def test_redraw_every_redraws_on_schedule_and_resumes_exactly(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(ckpt_state), jax.device_get(ref))
 
 
-def _copy_first_task(n=2048, seq_len=32, vocab=8):
+def _copy_first_task(n=2048, seq_len=16, vocab=8):
     """Label = the first token (7 classes): the pooled tokens must attend to position 0."""
     tokens = np.random.default_rng(0).integers(1, vocab, size=(n, seq_len)).astype(np.int32)
     split = ArraySource({"inputs": tokens, "targets": tokens[:, 0] - 1})
@@ -93,7 +93,7 @@ def _copy_first_task(n=2048, seq_len=32, vocab=8):
     return Task("copy_first", splits, vocab, vocab - 1, seq_len, False, batch_size=32)
 
 
-def _final_loss(attention, task, steps=300, **attention_config):
+def _final_loss(attention, task, steps=200, **attention_config):
     config = configs.get_config("listops", "mini")
     configs.set_attention(config, attention)
     config.attention_config.update({"num_features": 16, **attention_config})
@@ -112,12 +112,12 @@ def _final_loss(attention, task, steps=300, **attention_config):
 
 @pytest.mark.parametrize("name", RANDOM_FEATURES)
 def test_kept_features_train_where_a_per_call_redraw_does_not(name):
-    """Copy-the-first-token in 300 steps (1 layer, M = 16, fixed seeds): the kept draw
-    learns it (mean loss of the last 50 steps: 0.0008 performer, 0.0013 rfa) and so does
-    the public FAVOR+ algorithm (`training_peers.training_peer`: 0.0010); a fresh kernel at every
-    step does not (1.85, 1.78; chance is log 7 = 1.95). The bounds sit in that gap."""
+    """Copy-the-first-token over 16 tokens in 200 steps (1 layer, M = 16, fixed seeds): the
+    kept draw learns it (mean loss of the last 50 steps: 0.006 performer, 0.006 rfa) and so
+    does the public FAVOR+ algorithm (`training_peers.training_peer`: 0.004); a fresh kernel
+    at every step does not (1.72, 1.67; chance is log 7 = 1.95). The bounds sit in that gap."""
     task = _copy_first_task()
     assert _final_loss(name, task) < 0.2
-    assert _final_loss(name, task, redraw="call") > 1.5
+    assert _final_loss(name, task, redraw="call") > 1.2
     if name == "performer":
         assert _final_loss(training_peers.training_peer("performer"), task) < 0.2
