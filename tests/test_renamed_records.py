@@ -1,8 +1,8 @@
 """A mechanism is its record: a renamed copy of any registered record (``dataclasses.replace(
 la.get(name), name=...)``, registered) behaves exactly as the original in flax's
 ``MultiHeadDotProductAttention`` through ``la.linen.attention_fn``, in ``la.linen`` and
-``la.nn`` ``MultiHeadAttention`` (masks, dropout, decoding) and in sequence parallelism:
-same outputs, or the same error."""
+``la.nn`` ``MultiHeadAttention`` (masks, dropout, decoding), in sequence parallelism and in
+an HF Flax BERT through ``la.hf.swap_attention``: same outputs, or the same error."""
 
 import dataclasses
 import functools
@@ -114,6 +114,19 @@ def _calls(name, cfg):
         return attend(q, k, v, params, deterministic=True)  # one compiled program (eager)
 
     calls["sequence_parallel"] = seqpar
+
+    def hf():
+        transformers = pytest.importorskip("transformers")
+        config = transformers.BertConfig(
+            vocab_size=20, hidden_size=F, num_hidden_layers=1, num_attention_heads=H,
+            intermediate_size=16, max_position_embeddings=T + 2,
+        )  # fmt: skip
+        model = la.hf.swap_attention(transformers.FlaxBertModel(config, seed=0), name, **cfg)
+        ids = jnp.arange(B * T).reshape(B, T) % 20
+        with jax.numpy_rank_promotion("allow"):  # HF's own heads broadcast by rank promotion
+            return model(ids, attention_mask=jnp.ones((B, T)).at[1, -1].set(0)).last_hidden_state
+
+    calls["hf"] = hf
     return calls
 
 
