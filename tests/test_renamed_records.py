@@ -60,6 +60,17 @@ def _same(a, b, name, copy, where):
         np.testing.assert_array_equal(a, b, err_msg=where)
 
 
+@functools.cache
+def _bert():
+    """One tiny HF Flax BERT for every swap (`la.hf.swap_attention` returns a new model)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=20, hidden_size=F, num_hidden_layers=1, num_attention_heads=H,
+        intermediate_size=16, max_position_embeddings=T + 2,
+    )  # fmt: skip
+    return transformers.FlaxBertModel(config, seed=0)
+
+
 def _calls(name, cfg):
     """``where -> thunk`` for every place a record decides what happens."""
     calls = {}
@@ -116,12 +127,7 @@ def _calls(name, cfg):
     calls["sequence_parallel"] = seqpar
 
     def hf():
-        transformers = pytest.importorskip("transformers")
-        config = transformers.BertConfig(
-            vocab_size=20, hidden_size=F, num_hidden_layers=1, num_attention_heads=H,
-            intermediate_size=16, max_position_embeddings=T + 2,
-        )  # fmt: skip
-        model = la.hf.swap_attention(transformers.FlaxBertModel(config, seed=0), name, **cfg)
+        model = la.hf.swap_attention(_bert(), name, **cfg)
         ids = jnp.arange(B * T).reshape(B, T) % 20
         with jax.numpy_rank_promotion("allow"):  # HF's own heads broadcast by rank promotion
             return model(ids, attention_mask=jnp.ones((B, T)).at[1, -1].set(0)).last_hidden_state
