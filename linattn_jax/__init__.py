@@ -9,7 +9,7 @@ Layout ``[B, T, H, D]`` everywhere. See `linattn_jax.registry.Mechanism`.
 """
 
 from linattn_jax import core
-from linattn_jax.registry import Mechanism, causal_names, get, names, register
+from linattn_jax.registry import Mechanism, causal_names, get, names, origin, register
 
 # Importing a mechanism module registers it; the order is the order of `names()`.
 # isort: off
@@ -40,6 +40,7 @@ __all__ = [
     "linen",
     "names",
     "nn",
+    "origin",
     "parallel",
     "register",
     "transplant",

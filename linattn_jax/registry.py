@@ -255,6 +255,23 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
+def origin(name: str) -> str:
+    """The registered name that `name`'s record was copied from: the earliest registered
+    record equal to ``get(name)`` in every field but ``name`` (`name` itself for an
+    original). Settings that a client keys by name (a training preset's mechanism settings)
+    look up ``origin(name)``, so a renamed copy (``dataclasses.replace(get("performer"),
+    name="mine")``, registered) gets what its original gets.
+
+    Raises:
+      KeyError: `name` is not registered.
+    """
+    mech = get(name)
+    for other, record in _REGISTRY.items():
+        if dataclasses.replace(record, name=name) == mech:
+            return other
+    return name
+
+
 def causal_names() -> list[str]:
     """Names of the mechanisms that support ``causal=True``."""
     return [n for n, m in _REGISTRY.items() if m.supports_causal]

@@ -1,9 +1,12 @@
 """A mechanism is its record: a renamed copy of any registered record (``dataclasses.replace(
 la.get(name), name=...)``, registered) behaves exactly as the original in flax's
 ``MultiHeadDotProductAttention`` through ``la.linen.attention_fn``, in ``la.linen`` and
-``la.nn`` ``MultiHeadAttention`` (masks, dropout, decoding), in sequence parallelism and in
-an HF Flax BERT through ``la.hf.swap_attention``: same outputs, or the same error."""
+``la.nn`` ``MultiHeadAttention`` (masks, dropout, decoding), in sequence parallelism, in
+an HF Flax BERT through ``la.hf.swap_attention`` and in ``python -m train`` (the preset's
+mechanism settings, the kernel diagnostics, a training step): same outputs, or the same
+error."""
 
+import argparse
 import dataclasses
 import functools
 import re
@@ -16,9 +19,12 @@ import pytest
 from _helpers import SMALL_CONFIG
 from flax import nnx
 from jax.sharding import Mesh
+from test_train import _run_steps, tiny_config, toy_task
 
 import linattn_jax as la
 from linattn_jax import registry
+from train import cli
+from train import kernel_diagnostics as kd
 
 B, T, F, H = 2, 4, 8, 2
 X = jax.random.normal(jax.random.key(0), (B, T, F))
@@ -143,3 +149,46 @@ def test_renamed_copy_behaves_as_the_original(name, copy_of):
     originals, copies = _calls(name, cfg), _calls(copy, cfg)
     for where in originals:
         _same(_outcome(originals[where]), _outcome(copies[where]), name, copy, where)
+
+
+def test_origin_of_a_copy_is_its_original(copy_of):
+    copy = copy_of("performer")
+    assert la.origin(copy) == "performer" and la.origin("performer") == "performer"
+    bound = dataclasses.replace(la.get("performer").bind(num_features=8), name="bound")
+    registry.register(bound)  # other settings: a mechanism of its own
+    assert la.origin("bound") == "bound"
+    with pytest.raises(KeyError, match="unknown mechanism 'nope'"):
+        la.origin("nope")
+
+
+@pytest.mark.parametrize("task", ["listops", "vit"])
+def test_renamed_copy_gets_the_originals_training_config(task, copy_of):
+    """``python -m train --attention <copy>`` builds the original's config (the mini
+    preset's feature and landmark counts, the ViT preset's LARA settings), but for the name;
+    so does ``--compare <copy>``."""
+    for name in la.names():
+        copy = copy_of(name)
+        args = {"task": task, "preset": "mini"}
+        want = cli.build_config(argparse.Namespace(**args, attention=name)).to_dict()
+        got = cli.build_config(argparse.Namespace(**args, attention=copy)).to_dict()
+        assert got.pop("attention") == copy and want.pop("attention") == name
+        assert got == want, name
+        compared = cli.set_attention(
+            cli.build_config(argparse.Namespace(**args, attention=name)), copy
+        )
+        assert compared.attention_config.to_dict() == want["attention_config"], name
+
+
+def test_renamed_copy_trains_and_diagnoses_as_the_original(copy_of):
+    """flexformer_n (whose shift gap the diagnostics once decided by name): two training
+    steps of the copy equal the original's, and so do its ``kernel/...`` entries."""
+    task = toy_task()
+    runs = {}
+    for name in ("flexformer_n", copy_of("flexformer_n")):
+        config = tiny_config(name, num_features=4)
+        trainer, state, losses = _run_steps(config, task, jax.devices()[:1])
+        runs[name] = (losses, jax.tree.leaves(state.params), kd.for_run(trainer, config).start)
+    (losses, params, diag), (c_losses, c_params, c_diag) = runs.values()
+    assert losses == c_losses and "kernel/shift_gap" in diag and diag == c_diag
+    for a, b in zip(params, c_params, strict=True):
+        np.testing.assert_array_equal(a, b)

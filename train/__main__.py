@@ -88,7 +88,7 @@ def main(argv=None) -> dict:
     summary = loop.train_and_evaluate(config, workdir, restart=args.restart)
     other = None
     if args.compare:
-        other_config = configs.set_attention(config.copy_and_resolve_references(), args.compare)
+        other_config = cli.set_attention(config.copy_and_resolve_references(), args.compare)
         configs.apply_overrides(other_config, overrides)
         other = loop.train_and_evaluate(
             other_config, f"{workdir}_{args.compare}", restart=args.restart
@@ -118,8 +118,13 @@ def comparison_line(summary, other, args, overrides) -> str | None:
             f"same budget: {mine}; {other['attention']} val "
             f"{_pct(other['val'].get('accuracy'))} / test {_pct(other['test'].get('accuracy'))}"
         )
+    import linattn_jax as la  # loaded by the run already
+
     ref = REFERENCES.get((summary["task"], summary["preset"], summary["steps"]))
-    if ref is None or overrides or args.seed is not None or summary["attention"] == "softmax":
+    name = summary["attention"]
+    if ref is None or overrides or args.seed is not None:
+        return None
+    if (la.origin(name) if name in la.names() else name) == "softmax":  # no line against itself
         return None
     return (
         f"same budget: {mine}; softmax val {_pct(ref['val'])} / test {_pct(ref['test'])} "

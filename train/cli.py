@@ -129,8 +129,8 @@ def parse(
 def build_config(args: Any, overrides: Sequence[str] = (), *, task: str | None = None):
     """The training config of parsed `args` (a Namespace or any object with the attributes).
 
-    ``configs.get_config(task, preset)``, then ``configs.set_attention(attention)`` (so the
-    previous mechanism's keys never leak into the new one), then ``--steps``, ``--seed``,
+    ``configs.get_config(task, preset)``, then `set_attention` (so the previous
+    mechanism's keys never leak into the new one), then ``--steps``, ``--seed``,
     ``--data_dir``, ``--no_progress``, ``--distributed`` where given, then `overrides` (the
     ``--set`` / ``--config.`` values) last, so they win.
 
@@ -147,7 +147,7 @@ def build_config(args: Any, overrides: Sequence[str] = (), *, task: str | None =
     config = configs.get_config(task, args.preset)
     attention = getattr(args, "attention", None)
     if attention is not None:
-        configs.set_attention(config, attention)
+        set_attention(config, attention)
     if getattr(args, "steps", None) is not None:
         config.num_train_steps = int(args.steps)
     if getattr(args, "seed", None) is not None:
@@ -160,6 +160,15 @@ def build_config(args: Any, overrides: Sequence[str] = (), *, task: str | None =
         config.distributed = True
     configs.apply_overrides(config, overrides)
     return config
+
+
+def set_attention(config, name: str):
+    """``configs.set_attention(config, name)`` with the preset settings of `name`'s original
+    (`linattn_jax.origin`), so a renamed copy of a registered record trains exactly as the
+    original; an unregistered `name` is left to the trainer's error."""
+    import linattn_jax as la  # here, so `--help` and bad flags answer without loading jax
+
+    return configs.set_attention(config, name, like=la.origin(name) if name in la.names() else None)
 
 
 def expected_error(error: BaseException) -> bool:

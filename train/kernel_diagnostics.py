@@ -30,10 +30,10 @@ computes, every ``log_every`` steps, on a small fixed probe batch (the first
 - ``kernel/entropy_ratio``: the attention rows' entropy over the uniform row's ``log n``
   (``n`` visible keys; rows of ``|w| / sum |w|``), averaged over rows and layers: 1 is a
   flat kernel, softmax-like sharp rows are well below;
-- ``kernel/shift_gap`` (flexformer_n): the shift-invariance gap of its trigonometric
-  kernel, the frequency pairs' Yaglom kernel whatever the feature kind
-  (`linattn_jax.flexformer.shift_invariance_gap`'s definition, computed through the feature
-  map), on the probe's first 16 queries and keys rescaled to ``|x d^(-1/4)| = 1``,
+- ``kernel/shift_gap`` (flexformer_n: params with its frequency pair): the shift-invariance
+  gap of its trigonometric kernel, the frequency pairs' Yaglom kernel whatever the feature
+  kind (`linattn_jax.flexformer.shift_invariance_gap`'s definition, computed through the
+  feature map), on the probe's first 16 queries and keys rescaled to ``|x d^(-1/4)| = 1``,
   under 8 fixed Gaussian shifts: 0 stationary, growing as the pairs separate.
 
 The weights are read generically: every mechanism's output is linear in ``v``, so calling
@@ -57,6 +57,10 @@ from train import metrics as metrics_lib
 from train.distill.capture import capture_attention
 
 log = logging.getLogger(__name__)
+
+#: flexformer_n's frequency pair: the shift gap is computed where a call's params hold it
+#: (decided by the params, not the mechanism's name, so a renamed copy logs it too)
+NONSTATIONARY_KEYS = la.flexformer.FREQ_KEYS["n"]
 
 PROBE_ROWS = 2  # examples in the probe batch
 GAP_TOKENS = 16  # queries / keys the shift gap uses
@@ -222,7 +226,7 @@ class KernelDiagnostics:
                 scale.append(jnp.mean(_scale(mp) / _scale(mp0)))
             if "log_bandwidth" in mp:
                 bw.append(jnp.mean(jnp.abs(mp["log_bandwidth"] - mp0["log_bandwidth"])))
-            if self.name == "flexformer_n":
+            if any(key in mp for key in NONSTATIONARY_KEYS):
                 d = call.q.shape[-1]
                 shifts = jax.random.normal(jax.random.key(0), (GAP_SHIFTS, d)) / math.sqrt(
                     math.sqrt(d)

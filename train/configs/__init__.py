@@ -47,17 +47,25 @@ MINI_ATTENTION_CONFIG = {
 }
 
 
-def set_attention(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
-    """Set ``config.attention = name``; mini presets get ``MINI_ATTENTION_CONFIG[name]``, then a
-    task module's ``attention_defaults(preset, name)`` (if it has one) on top.
+def set_attention(
+    config: ml_collections.ConfigDict, name: str, *, like: str | None = None
+) -> ml_collections.ConfigDict:
+    """Set ``config.attention = name``; mini presets get ``MINI_ATTENTION_CONFIG[like]``, then a
+    task module's ``attention_defaults(preset, like)`` (if it has one) on top.
 
     Replaces ``config.attention_config`` (its keys belong to the previous mechanism).
+
+    Args:
+      like: the registry name whose preset settings apply (default `name`). For a renamed
+        copy of a registered record, its original, ``linattn_jax.origin(name)``: the configs
+        import no library, so the entry points (`train.cli.build_config`) resolve it.
     """
+    like = name if like is None else like
     config.attention = name
-    values = dict(MINI_ATTENTION_CONFIG.get(name, {})) if config.preset == "mini" else {}
+    values = dict(MINI_ATTENTION_CONFIG.get(like, {})) if config.preset == "mini" else {}
     task_module = importlib.import_module(CONFIGS[config.task]) if config.task in CONFIGS else None
     if hasattr(task_module, "attention_defaults"):  # a task's own settings (vit: LARA's)
-        values.update(task_module.attention_defaults(config.preset, name))
+        values.update(task_module.attention_defaults(config.preset, like))
     config.attention_config = ml_collections.ConfigDict(values)
     return config
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+import linattn_jax as la
 from train import checkpoint as ckpt_lib
 from train import configs
 from train import trainer as trainer_lib
@@ -34,7 +35,9 @@ def student_config(config, student: str, attention_config: Mapping[str, Any] | N
     Raises:
       ValueError: `student` has no feature map (`student_feature_map`).
     """
-    c = configs.set_attention(config.copy_and_resolve_references(), student)
+    c = configs.set_attention(
+        config.copy_and_resolve_references(), student, like=la.origin(student)
+    )
     if attention_config is not None:
         c.attention_config = ml_collections.ConfigDict(dict(attention_config))
     student_feature_map(student, c.attention_config)
