@@ -62,16 +62,14 @@ def test_gated_causal_matches_quadratic(t, chunk):
     pq, pk, v = _features(1, t=t, signed=True)
     log_decay = jax.nn.log_sigmoid(jax.random.normal(jax.random.key(9), (2, t, 2)) + 1.0)
 
-    def run(fn, pq, pk, v, ld, **kw):
-        return fn(pq, pk, v, causal=True, log_decay=ld, **kw)
+    def value_and_grads(fn):  # one compiled program per form (not one per eager op)
+        out = lambda pq, pk, v, ld: fn(pq, pk, v, causal=True, log_decay=ld)  # noqa: E731
+        grads = jax.grad(lambda *a: out(*a).sum(), (0, 3))
+        return jax.jit(lambda *a: (out(*a), grads(*a)))(pq, pk, v, log_decay)
 
-    fast = run(core.linear_attention, pq, pk, v, log_decay, chunk_size=chunk)
-    ref = run(core.quadratic_reference, pq, pk, v, log_decay)
+    fast, gf = value_and_grads(functools.partial(core.linear_attention, chunk_size=chunk))
+    ref, gr = value_and_grads(core.quadratic_reference)
     np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-5)
-    gf = jax.grad(lambda *a: run(core.linear_attention, *a, chunk_size=chunk).sum(), (0, 3))(
-        pq, pk, v, log_decay
-    )
-    gr = jax.grad(lambda *a: run(core.quadratic_reference, *a).sum(), (0, 3))(pq, pk, v, log_decay)
     for a, b in zip(gf, gr):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 

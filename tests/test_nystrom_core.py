@@ -200,18 +200,20 @@ def test_bf16_and_large_norms(name, cfg):
     values; inputs of norm up to 1e2: finite outputs and gradients."""
     mech = la.get(name).bind(num_landmarks=4, **cfg)
     params = _params(name)
+    attend = jax.jit(mech.attention)  # one program per dtype, not one per eager op
     q, k, v = _inputs(11, tq=9, scale=0.5, dtype=jnp.bfloat16)
-    out = mech.attention(q, k, v, params)
+    out = attend(q, k, v, params)
     assert out.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(out, np.float32)))
-    ref = mech.attention(*(x.astype(jnp.float32) for x in (q, k, v)), params)
+    ref = attend(*(x.astype(jnp.float32) for x in (q, k, v)), params)
     _close(out, ref, 2e-2, "bf16 vs fp32")
+
+    def loss(q, k, v, params):
+        return jnp.sum(mech.attention(q, k, v, params) ** 2)
+
+    value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
     for scale in (10.0, 100.0 / math.sqrt(D)):  # per-token norms up to ~1e2
         q, k, v = _inputs(12, tq=9, scale=scale)
-
-        def loss(q, k, v, params):
-            return jnp.sum(mech.attention(q, k, v, params) ** 2)
-
-        val, grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, params)
+        val, grads = value_and_grad(q, k, v, params)
         assert np.isfinite(float(val)), f"scale {scale}"
         for g in jax.tree.leaves(grads):
             assert np.all(np.isfinite(g)), f"grad at scale {scale}"

@@ -85,17 +85,19 @@ def test_sharded_landmarks_equal_one_device(m, masked, grid):
 
     x = jax.random.normal(jax.random.key(0), (2, 16, 2, 3))
     mask = jnp.arange(16)[None, :] < jnp.array([[16], [11]]) if masked else None
-    want = lm.landmarks(x, m, mask=mask, grid=grid)
+    want = jax.jit(lambda x, mask: lm.landmarks(x, m, mask=mask, grid=grid))(x, mask)
     spec = PartitionSpec("data", "seq")
     args, specs = (x,), (spec,)
     if masked:
         args, specs = (x, mask), (spec, spec)
-    got = jax.shard_map(
-        lambda x, mask=None: lm.sharded_landmarks(x, m, "seq", mask=mask, grid=grid),
-        mesh=_mesh(),
-        in_specs=specs,
-        out_specs=PartitionSpec("data"),
-        check_vma=False,
+    got = jax.jit(  # one program, not one per eager op
+        jax.shard_map(
+            lambda x, mask=None: lm.sharded_landmarks(x, m, "seq", mask=mask, grid=grid),
+            mesh=_mesh(),
+            in_specs=specs,
+            out_specs=PartitionSpec("data"),
+            check_vma=False,
+        )
     )(*args)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=1e-6)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
