@@ -313,6 +313,7 @@ def test_frequency_growth_reads_the_trained_frequencies(tmp_path):
     assert table.frequency_growth(settings, "listops") is None
     config = table.task_config("listops", "flexformer_n", 0, quick=True)
     config.learning_rate = 0.1  # 4 steps (in warm-up) that move the frequencies a little
+    config.mesh_shape = (1, 1)  # on one device
     loop.train_and_evaluate(config, table.table_dir(settings, "listops", "flexformer_n", 0))
     growth = table.frequency_growth(settings, "listops")
     assert 0.5 < growth < 2.0 and abs(growth - 1.0) > 1e-5, growth  # measured 0.99983

@@ -214,6 +214,7 @@ def _config(student, steps):
         plot=False,
         compile_memory_analysis=False,
         async_checkpointing=False,
+        mesh_shape=(1, 1),  # one device: sharded distillation is test_train_cli's CLI run
     )
     return c
 

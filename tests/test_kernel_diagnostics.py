@@ -228,7 +228,7 @@ def test_run_logs_plots_and_summarises(tmp_path):
     config = tiny_config("flexformer_n", num_features=4)
     config.update(num_train_steps=4, log_every=2, eval_every=4, checkpoint_every=4)
     config.update(progress_bar=False, tensorboard=False, compile_memory_analysis=False)
-    config.mechanism_lr_mult = 10.0
+    config.update(mechanism_lr_mult=10.0, mesh_shape=(1, 1))  # one device (as the others)
     summary = loop.train_and_evaluate(config, tmp_path, data=toy_task())
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["split"] == "train"]

@@ -489,3 +489,18 @@ def test_checkpoint_param_paths_of_every_model():
         "patch_embed/kernel",
     }
     assert models.EncoderBlock is models.Block and models.MlpBlock is models.Mlp
+
+
+def test_mesh_of_fewer_devices_takes_the_first_ones():
+    """A shape without -1 takes the first prod(shape) devices in one process; -1 takes them
+    all; more than there are is an error naming both counts."""
+    from train import sharding
+
+    config = configs.get_config("listops", "mini")
+    devices = jax.devices()[:8]
+    for shape, want in (((1, 1), devices[:1]), ((2, 2), devices[:4]), ((-1, 2), devices)):
+        config.mesh_shape = shape
+        assert list(sharding.make_mesh(config, devices).devices.flat) == want, shape
+    config.mesh_shape = (4, 4)
+    with pytest.raises(ValueError, match=r"needs 16 devices, have 8"):
+        sharding.make_mesh(config, devices)

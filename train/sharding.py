@@ -1,7 +1,8 @@
 """Mesh, logical-axis rules and shardings for data parallelism + FSDP-style parameters.
 
 * The mesh: ``Mesh(np.array(jax.devices()).reshape(config.mesh_shape), config.mesh_axes)``
-  (one ``-1`` in the shape takes the remaining devices). No pmap anywhere.
+  (one ``-1`` in the shape takes the remaining devices; a shape of fewer devices than there
+  are takes the first ones, in one process). No pmap anywhere.
 * Batches: the leading (batch) dimension is split over ``config.data_axes`` (by default
   both mesh axes; axes the mesh lacks are skipped), everything else replicated.
 * Long sequences: a mesh axis named ``"seq"`` (e.g. ``--set mesh_axes=data,seq --set
@@ -46,8 +47,16 @@ def mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
 
 
 def make_mesh(config, devices=None) -> Mesh:
-    """The device mesh of ``config.mesh_shape`` / ``config.mesh_axes`` over ``devices``."""
+    """The device mesh of ``config.mesh_shape`` / ``config.mesh_axes`` over ``devices``.
+
+    A shape without ``-1`` that needs fewer devices than there are takes the first ones in
+    a single process (``mesh_shape=(1, 1)``: one device); a multi-process mesh spans every
+    process's devices, so there it must use them all.
+    """
     devices = jax.devices() if devices is None else list(devices)
+    need = math.prod(int(s) for s in config.mesh_shape)
+    if need > 0 and -1 not in tuple(config.mesh_shape) and jax.process_count() == 1:
+        devices = devices[:need]
     axes = tuple(config.mesh_axes)
     shape = mesh_shape(config.mesh_shape, len(devices))
     if len(shape) != len(axes):

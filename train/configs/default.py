@@ -110,7 +110,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.data_shuffle_seed = 0  # training stream shuffle seed (stream = f(seed, batch, step))
 
     # --- sharding (jax.sharding.Mesh over all devices; no pmap)
-    c.mesh_shape = (-1, 1)  # devices per mesh axis; one -1 takes the remaining devices
+    # devices per mesh axis; one -1 takes the remaining devices; a shape without -1 takes
+    # the first prod(shape) devices (one process; (1, 1): train on one device)
+    c.mesh_shape = (-1, 1)
     c.mesh_axes = ("data", "fsdp")  # mesh axis names: batch over both, params over "fsdp"
     # a "seq" axis splits the tokens, attention sequence-parallel (LM, LRA encoders), e.g.
     # --set 'mesh_axes=("data","seq")' --set 'mesh_shape=(2,4)'; T must divide by its size
