@@ -58,9 +58,10 @@ from train.distill.capture import capture_attention
 
 log = logging.getLogger(__name__)
 
-#: flexformer_n's frequency pair: the shift gap is computed where a call's params hold it
-#: (decided by the params, not the mechanism's name, so a renamed copy logs it too)
-NONSTATIONARY_KEYS = la.flexformer.FREQ_KEYS["n"]
+#: flexformer_n's stored frequency pair (its params' names): the shift gap is computed where
+#: a call's params hold it (decided by the params, not the mechanism's name, so a renamed
+#: copy logs it too)
+NONSTATIONARY_KEYS = ("omega1_tilde", "omega2_tilde")
 
 PROBE_ROWS = 2  # examples in the probe batch
 GAP_TOKENS = 16  # queries / keys the shift gap uses
