@@ -182,10 +182,23 @@ def _pair(linear_ra, seq_len, args):
     }
 
 
+def _over_t_halves(e, x):
+    half = e.shape[-1] // 2
+    first = jnp.einsum("hct,htd->hcd", e[..., :half], x[:, :half])
+    return first + jnp.einsum("hct,htd->hcd", e[..., half:], x[:, half:])
+
+
+def _over_t_per_head(e, x):
+    return jnp.stack([e[i] @ x[i] for i in range(e.shape[0])])
+
+
 def gemm_rates(seq_len, args, repeats):
     """GFLOP/s of LARA's two product shapes per head, XLA against torch (same threads):
     ``"scores"`` (``[C, d] x [d, T]``: the key and query logits) and ``"over_T"`` (``[C, T] x
-    [T, d]``: f and the gradients that sum over tokens), interleaved as the attention is."""
+    [T, d]``: f and the gradients that sum over tokens), interleaved as the attention is; and
+    two other XLA forms of ``"over_T"`` that hand it independent products (torch computes the
+    plain one beside them): ``"over_T_halves"`` (two halves of T, summed) and
+    ``"over_T_per_head"`` (one product per head)."""
     import torch
 
     h, d, c = args.heads, args.head_dim, args.num_landmarks
@@ -198,13 +211,16 @@ def gemm_rates(seq_len, args, repeats):
     shapes = {
         "scores": (jax.jit(lambda w, x: jnp.einsum("hcd,htd->hct", w, x)), (w, x), "hcd,htd->hct"),
         "over_T": (jax.jit(lambda e, x: jnp.einsum("hct,htd->hcd", e, x)), (e, x), "hct,htd->hcd"),
+        "over_T_halves": (jax.jit(_over_t_halves), (e, x), "hct,htd->hcd"),
+        "over_T_per_head": (jax.jit(_over_t_per_head), (e, x), "hct,htd->hcd"),
     }
-    torch_args = {"scores": (tw, tx), "over_T": (te, tx)}
+    torch_args = {"scores": (tw, tx)}
     out = {}
     for name, (fn, xla_args, spec) in shapes.items():
+        their_args = torch_args.get(name, (te, tx))
         ms_xla, ms_torch = interleaved_min(
             lambda fn=fn, a=xla_args: jax.block_until_ready(fn(*a)),
-            lambda spec=spec, a=torch_args[name]: torch.einsum(spec, *a),
+            lambda spec=spec, a=their_args: torch.einsum(spec, *a),
             repeats,
         )
         out[name] = {"xla_gflops": flops / ms_xla / 1e6, "torch_gflops": flops / ms_torch / 1e6}
