@@ -169,13 +169,12 @@ def test_renamed_copy_gets_the_originals_training_config(task, copy_of):
     for name in la.names():
         copy = copy_of(name)
         args = {"task": task, "preset": "mini"}
-        want = cli.build_config(argparse.Namespace(**args, attention=name)).to_dict()
+        original = cli.build_config(argparse.Namespace(**args, attention=name))
+        want = original.to_dict()
         got = cli.build_config(argparse.Namespace(**args, attention=copy)).to_dict()
         assert got.pop("attention") == copy and want.pop("attention") == name
         assert got == want, name
-        compared = cli.set_attention(
-            cli.build_config(argparse.Namespace(**args, attention=name)), copy
-        )
+        compared = cli.set_attention(original, copy)  # --compare <copy> after <name>
         assert compared.attention_config.to_dict() == want["attention_config"], name
 
 

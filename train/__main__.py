@@ -118,13 +118,10 @@ def comparison_line(summary, other, args, overrides) -> str | None:
             f"same budget: {mine}; {other['attention']} val "
             f"{_pct(other['val'].get('accuracy'))} / test {_pct(other['test'].get('accuracy'))}"
         )
-    import linattn_jax as la  # loaded by the run already
-
     ref = REFERENCES.get((summary["task"], summary["preset"], summary["steps"]))
-    name = summary["attention"]
     if ref is None or overrides or args.seed is not None:
         return None
-    if (la.origin(name) if name in la.names() else name) == "softmax":  # no line against itself
+    if cli.original_name(summary["attention"]) == "softmax":  # no line against itself
         return None
     return (
         f"same budget: {mine}; softmax val {_pct(ref['val'])} / test {_pct(ref['test'])} "

@@ -162,13 +162,19 @@ def build_config(args: Any, overrides: Sequence[str] = (), *, task: str | None =
     return config
 
 
-def set_attention(config, name: str):
-    """``configs.set_attention(config, name)`` with the preset settings of `name`'s original
-    (`linattn_jax.origin`), so a renamed copy of a registered record trains exactly as the
-    original; an unregistered `name` is left to the trainer's error."""
+def original_name(name: str) -> str:
+    """`linattn_jax.origin` of a registered `name` (the record a renamed copy was made from);
+    an unregistered `name` itself (left to the trainer's error)."""
     import linattn_jax as la  # here, so `--help` and bad flags answer without loading jax
 
-    return configs.set_attention(config, name, like=la.origin(name) if name in la.names() else None)
+    return la.origin(name) if name in la.names() else name
+
+
+def set_attention(config, name: str):
+    """``configs.set_attention(config, name)`` with the preset settings of `name`'s original
+    (`original_name`), so a renamed copy of a registered record trains exactly as the
+    original."""
+    return configs.set_attention(config, name, like=original_name(name))
 
 
 def expected_error(error: BaseException) -> bool:
