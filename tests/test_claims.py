@@ -304,16 +304,21 @@ def test_distillation_verdict_and_runs_from_the_summaries(tmp_path, monkeypatch)
     assert sum(runs.values()) == 9 * 60.0 + 30.0
 
 
-def test_frequency_growth_reads_the_trained_frequencies(tmp_path):
+def test_frequency_growth_reads_the_trained_frequencies(tmp_path, monkeypatch):
     """flexformer_n's frequency scale after a (quick) table run over its init: read from the
-    run's checkpoint (so not 1 exactly: the frequencies moved), None without one."""
-    from train import loop
+    run's checkpoint (so not 1 exactly: the frequencies moved), None without one. The run
+    writes its checkpoint only: no kernel diagnostics, plots or TensorBoard (their own tests
+    are in test_kernel_diagnostics and test_train; here they took 10 of the test's 20 s)."""
+    from train import kernel_diagnostics, loop
+
+    monkeypatch.setattr(kernel_diagnostics, "for_run", lambda *a, **k: None)
 
     settings = claims.Settings(seeds=1, quick=True, workdir=tmp_path, findings=tmp_path / "f")
     assert table.frequency_growth(settings, "listops") is None
     config = table.task_config("listops", "flexformer_n", 0, quick=True)
     config.learning_rate = 0.1  # 4 steps (in warm-up) that move the frequencies a little
     config.mesh_shape = (1, 1)  # on one device
+    config.update(plot=False, tensorboard=False, compile_memory_analysis=False)
     loop.train_and_evaluate(config, table.table_dir(settings, "listops", "flexformer_n", 0))
     growth = table.frequency_growth(settings, "listops")
     assert 0.5 < growth < 2.0 and abs(growth - 1.0) > 1e-5, growth  # measured 0.99983

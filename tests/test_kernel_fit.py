@@ -21,6 +21,10 @@ import pytest
 
 from train.bench import kernel_fit
 
+# compiled with XLA's optimisations on (tests/conftest.py turns them off for the suite):
+# the 1500-step scans run 2x faster optimised (measured: 7.8 s -> 3.1 s for flexformer_s).
+pytestmark = pytest.mark.usefixtures("optimised_xla")
+
 STEPS = 1500
 BETA = 3.0  # fit_subspace's default target sharpness
 
