@@ -12,7 +12,7 @@ import pytest
 
 import linattn_jax as la
 from linattn_jax import core, softmax
-from train import configs, distill, loop, models
+from train import configs, distill, kernel_diagnostics, loop, models
 from train import trainer as trainer_lib
 from train.data.images import ImageTask
 
@@ -217,6 +217,16 @@ def _config(student, steps):
         mesh_shape=(1, 1),  # one device: sharded distillation is test_train_cli's CLI run
     )
     return c
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_kernel_diagnostics():
+    """The trainings here log no kernel diagnostics: nothing here reads them, and they are
+    a compile per trained student (test_kernel_diagnostics tests them; test_train_cli's
+    distillation run logs them)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernel_diagnostics, "for_run", lambda *args, **kwargs: None)
+        yield
 
 
 @pytest.fixture(scope="module")
