@@ -308,7 +308,7 @@ def test_frequency_growth_reads_the_trained_frequencies(tmp_path, monkeypatch):
     """flexformer_n's frequency scale after a (quick) table run over its init: read from the
     run's checkpoint (so not 1 exactly: the frequencies moved), None without one. The run
     writes its checkpoint only: no kernel diagnostics, plots or TensorBoard (their own tests
-    are in test_kernel_diagnostics and test_train; here they took 10 of the test's 20 s)."""
+    are in test_kernel_diagnostics and test_train; without them the test alone: 21 s -> 14 s)."""
     from train import kernel_diagnostics, loop
 
     monkeypatch.setattr(kernel_diagnostics, "for_run", lambda *a, **k: None)
