@@ -24,11 +24,17 @@ an explicit inner product, non-stationary once ``Omega1 != Omega2`` (init: ``Ome
 With ``qk_radius`` set, ``tau`` is tied to the temperature, ``a^2 = 2 sqrt d / exp(tau)``.
 
 Parameterisation: the frequencies are stored as ``omega_tilde = Omega / c`` (``"omega_tilde"``;
-``"omega1_tilde"``, ``"omega2_tilde"``), ``c = sqrt(d)`` by default (config ``freq_scale``,
-the same for init and attention), so the stored entries have the scale of the weights around
-them and Adam's relative steps on them are ``c`` times larger; ``Omega`` and the kernel at
-init are unchanged. `frequencies` returns ``Omega``; `from_direct_params` converts params
-that stored ``Omega`` itself (``"omega"``, ``"omega1"``, ``"omega2"``: refused otherwise).
+``"omega1_tilde"``, ``"omega2_tilde"``), so that Adam's relative steps on them are ``c`` times
+larger; ``Omega`` and the kernel at init do not depend on ``c``. Config ``freq_scale`` (the
+same for init and attention) sets ``c``; by default (`freq_scale_of`) flexformer_n stores at
+``c = sqrt(H d)``, the init scale of a Dense kernel of fan-in ``H d`` (H heads of width d:
+the model width), where its default positive features move their frequencies more than 10% in
+the main job with no negative weight; flexformer_s at ``c = sqrt(d)``, as its default
+trigonometric map turns its weights negative when moved further (docs/flexformer.md,
+"Parameterisation"). The default is a function of the variant and the param shapes, so a
+params tree alone gives ``Omega``: `frequencies` returns it; `from_direct_params` converts
+params that stored ``Omega`` itself (``"omega"``, ``"omega1"``, ``"omega2"``: refused
+otherwise).
 
 Stability (defaults): ``qk_radius=1.0`` rescales q, k to ``|x^| = qk_radius`` before the map
 (the kernel is then ``exp(a^2 qk_radius^2 cos(q, k))``), and ``den_floor=0.05`` is the core's
@@ -83,10 +89,13 @@ _TEMP_KEY = {"s": "log_scale", "n": "tau"}
 _DIRECT_KEYS = {"s": ("omega",), "n": ("omega1", "omega2")}  # the layout that stored omega
 
 
-def freq_scale_of(head_dim, freq_scale=None):
-    """The constant ``c`` of ``omega = c * omega_tilde``: `freq_scale`, or ``sqrt(head_dim)``
-    when None (module docstring, "Parameterisation")."""
-    return math.sqrt(head_dim) if freq_scale is None else float(freq_scale)
+def freq_scale_of(variant, num_heads, head_dim, freq_scale=None):
+    """The constant ``c`` of ``omega = c * omega_tilde``: `freq_scale`, or when None the
+    variant's default (module docstring, "Parameterisation"): ``sqrt(num_heads * head_dim)``
+    for flexformer_n (`variant` ``"n"``), ``sqrt(head_dim)`` for flexformer_s (``"s"``)."""
+    if freq_scale is not None:
+        return float(freq_scale)
+    return math.sqrt(num_heads * head_dim if variant == "n" else head_dim)
 
 
 def _draw_frequencies(rng, num_heads, num_features, head_dim, init_method):
@@ -127,7 +136,7 @@ def init_s(
 ):
     """``{"omega_tilde": [H, M, d], "log_scale": [H]}``: the frequencies ``omega = c *
     omega_tilde`` i.i.d. ``N(0, init_scale^2)`` (or orthogonal blocks times `init_scale`, see
-    module doc), stored divided by ``c = freq_scale_of(head_dim, freq_scale)``
+    module doc), stored divided by ``c = freq_scale_of("s", num_heads, head_dim, freq_scale)``
     ("Parameterisation"); ``log_scale = 0`` (the temperature at init is 1; with the default
     ``init_scale=1`` the seed's map). `learn_bandwidth` adds ``"log_bandwidth" [H, d]``
     (init 0; module docstring, "Options")."""
@@ -135,7 +144,7 @@ def init_s(
         "flexformer_s", num_heads, head_dim, num_features, init_method, init_scale, freq_scale
     )
     omega = _draw_frequencies(rng, num_heads, num_features, head_dim, init_method)
-    c = freq_scale_of(head_dim, freq_scale)
+    c = freq_scale_of("s", num_heads, head_dim, freq_scale)
     params = {
         "omega_tilde": (init_scale / c) * omega,
         "log_scale": jnp.zeros((num_heads,), _f32),
@@ -159,9 +168,9 @@ def init_n(
     """``{"omega1_tilde", "omega2_tilde": [H, M, d], "tau": [H]}``; ``tau = log(2 sqrt d)``.
 
     The frequency pair ``omega_p = c * omega_p_tilde`` is stored divided by ``c =
-    freq_scale_of(head_dim, freq_scale)`` (as `init_s`). `init_scale` multiplies both
-    frequency matrices (drawn as below), `learn_bandwidth` adds ``"log_bandwidth" [H, d]``
-    (as `init_s`).
+    freq_scale_of("n", num_heads, head_dim, freq_scale)`` (as `init_s`). `init_scale`
+    multiplies both frequency matrices (drawn as below), `learn_bandwidth` adds
+    ``"log_bandwidth" [H, d]`` (as `init_s`).
 
     ``omega1`` = the draw `init_s` makes from the same `rng`. ``omega2`` by `pair_init`:
 
@@ -193,7 +202,7 @@ def init_n(
         omega2 = _draw_frequencies(key2, num_heads, num_features, head_dim, init_method)
     else:
         omega2 = omega + pair_jitter * jax.random.normal(key2, omega.shape, _f32)
-    c = freq_scale_of(head_dim, freq_scale)
+    c = freq_scale_of("n", num_heads, head_dim, freq_scale)
     params = {
         "omega1_tilde": (init_scale / c) * omega,
         "omega2_tilde": (init_scale / c) * omega2,
@@ -288,10 +297,10 @@ def log_temperature_scale(params, head_dim, *, qk_radius=QK_RADIUS):
 def frequencies(params, *, freq_scale=None):
     """The frequencies ``omega = c * omega_tilde`` as a tuple of ``[H, M, d]`` float32: one for
     ``flexformer_s``, the pair for ``flexformer_n`` (read off the param names; ``c`` as
-    `freq_scale_of` of the params' ``d``)."""
+    `freq_scale_of` of the variant and the params' ``[H, M, d]``)."""
     variant = _variant(params)
     stored = [params[key].astype(_f32) for key in FREQ_KEYS[variant]]
-    c = freq_scale_of(stored[0].shape[-1], freq_scale)
+    c = freq_scale_of(variant, stored[0].shape[0], stored[0].shape[-1], freq_scale)
     return tuple(c * w for w in stored)
 
 
@@ -304,7 +313,7 @@ def _parts_heads_first(variant, x, params, radius=None, freq_scale=None):
     # the features of a x^ (a the per-head temperature scale): a and the frequency scale c
     # are folded into the frequencies ([H, M, d]), not into the [B, T, H, d] input
     a = jnp.exp(log_temperature_scale(params, d, qk_radius=radius))[:, None, None]
-    ac = a * freq_scale_of(d, freq_scale)
+    ac = a * freq_scale_of(variant, params[FREQ_KEYS[variant][0]].shape[0], d, freq_scale)
     omegas = [ac * params[key].astype(_f32) for key in FREQ_KEYS[variant]]
     # the features are computed heads first (the d-wide input is transposed, not the
     # 2M-wide features); callers hand them back in the core's layout (`core.heads_last`)
@@ -395,7 +404,8 @@ def _variant(params):
             raise ValueError(
                 f"flexformer: params {sorted(params)} store the frequencies directly (an older "
                 f"layout); they are now stored as {list(FREQ_KEYS[variant])} = omega / c with "
-                "c = freq_scale_of(d) (module docstring, 'Parameterisation'): convert with "
+                "c = freq_scale_of(variant, H, d) (module docstring, 'Parameterisation'): "
+                "convert with "
                 "`from_direct_params`"
             )
     raise ValueError(
@@ -412,7 +422,8 @@ def from_direct_params(params, *, freq_scale=None):
     params = dict(params)
     for variant, direct in _DIRECT_KEYS.items():
         if all(key in params for key in direct):
-            c = freq_scale_of(params[direct[0]].shape[-1], freq_scale)
+            h, _, d = params[direct[0]].shape
+            c = freq_scale_of(variant, h, d, freq_scale)
             for old, new in zip(direct, FREQ_KEYS[variant], strict=True):
                 params[new] = params.pop(old) / c
     _variant(params)

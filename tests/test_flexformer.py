@@ -114,9 +114,9 @@ def test_stabilised_features_give_kernel_weights(name):
     mask = _mask(2, 9)
     fmap = functools.partial(FMAP[name], features="trig")  # the map written out below
 
-    def trig(x):  # the bare trig features, written out independently (omega = sqrt(d) omega~)
+    def trig(x):  # the bare trig features, written out independently (omega = c omega~)
         xh = x * 8**-0.25
-        c = math.sqrt(8)
+        c = math.sqrt(8) if name == "flexformer_s" else math.sqrt(x.shape[2] * 8)  # sqrt(H d)
         if name == "flexformer_s":
             wx = jnp.einsum("bthd,hmd->bthm", xh, c * p["omega_tilde"])
             return jnp.concatenate([jnp.cos(wx), jnp.sin(wx)], -1) / 4.0  # M = 16
@@ -155,25 +155,31 @@ def test_init_shapes_and_values():
         "tau",
     }
     assert ps["omega_tilde"].shape == (h, m, d) and ps["omega_tilde"].dtype == jnp.float32
-    # the frequencies omega = sqrt(d) omega~ are the N(0, 1) draw the seed's init makes
+    # the frequencies omega = c omega~ are the N(0, 1) draw the seed's init makes, stored at
+    # c = sqrt(d) (flexformer_s) and sqrt(H d) (flexformer_n)
     (omega,) = ff.frequencies(ps)
     want = jax.random.normal(jax.random.key(0), (h, m, d))
     np.testing.assert_allclose(omega, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(ps["omega_tilde"], want / math.sqrt(d), rtol=1e-6, atol=1e-7)
-    np.testing.assert_array_equal(pn["omega1_tilde"], ps["omega_tilde"])
+    np.testing.assert_allclose(pn["omega1_tilde"], want / math.sqrt(h * d), rtol=1e-6, atol=1e-7)
+
+    def same_draw(a, b):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+    same_draw(ff.frequencies(pn)[0], omega)
     tied = ff.init_n(jax.random.key(0), num_heads=h, head_dim=d, num_features=m, pair_init="tied")
-    np.testing.assert_array_equal(tied["omega2_tilde"], ps["omega_tilde"])
+    same_draw(ff.frequencies(tied)[1], omega)
     indep = ff.init_n(
         jax.random.key(0), num_heads=h, head_dim=d, num_features=m, pair_init="independent"
     )
-    np.testing.assert_array_equal(indep["omega1_tilde"], ps["omega_tilde"])
+    same_draw(ff.frequencies(indep)[0], omega)
     assert float(jnp.max(jnp.abs(ff.frequencies(indep)[1] - omega))) > 1.0
     np.testing.assert_allclose(pn["tau"], np.full(h, math.log(2 * math.sqrt(d))), rtol=1e-6)
     assert ff.spectral_samples(ps).shape == (h, m, d)
     assert ff.spectral_samples(pn).shape == (h, 2 * m, d)
     np.testing.assert_array_equal(ff.spectral_samples(pn)[:, m:], ff.frequencies(pn)[1])
     np.testing.assert_allclose(
-        ff.spectral_samples(pn)[:, m:], math.sqrt(d) * pn["omega2_tilde"], rtol=1e-6
+        ff.spectral_samples(pn)[:, m:], math.sqrt(h * d) * pn["omega2_tilde"], rtol=1e-6
     )
     # Orthogonal init: rows inside a d-block are exactly orthogonal.
     po = ff.init_s(
@@ -194,7 +200,8 @@ def test_n_equals_s_at_init(causal):
     s, n = la.get("flexformer_s"), la.get("flexformer_n")
     ps = s.init(jax.random.key(4), num_heads=2, head_dim=8, num_features=32)
     pn = n.init(jax.random.key(4), num_heads=2, head_dim=8, num_features=32, pair_init="tied")
-    np.testing.assert_array_equal(pn["omega1_tilde"], ps["omega_tilde"])
+    for w_n, w_s in zip(ff.frequencies(pn), 2 * ff.frequencies(ps), strict=True):
+        np.testing.assert_allclose(w_n, w_s, rtol=1e-6, atol=1e-6)  # the same omega
     for features in ff.FEATURES:
         out_s = s.attention(q, k, v, ps, mask=mask, causal=causal, chunk_size=4, features=features)
         out_n = n.attention(q, k, v, pn, mask=mask, causal=causal, chunk_size=4, features=features)
@@ -244,9 +251,10 @@ def test_temperature_scale(name, causal):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_frequency_parameterisation(name):
-    """The frequencies are stored as ``omega~ = omega / c``, ``c = sqrt(d)`` by
-    default (``freq_scale``). The kernel is a function of ``omega`` only: ``freq_scale=1`` (the
-    layout that stored ``omega`` itself) with the same ``omega`` gives the same attention, and
+    """The frequencies are stored as ``omega~ = omega / c``, by default ``c = sqrt(d)``
+    (flexformer_s) or ``sqrt(H d)`` (flexformer_n; ``freq_scale``). The kernel is a function
+    of ``omega`` only: ``freq_scale=1`` (the layout that stored ``omega`` itself) with the
+    same ``omega`` gives the same attention, and
     `from_direct_params` converts that layout (passing it unconverted is an error naming the
     converter). Adam's first step moves every stored entry by ~lr, so it moves ``omega``
     c times further under the default than under ``freq_scale=1``."""
@@ -255,11 +263,13 @@ def test_frequency_parameterisation(name):
     mech, old = la.get(name), la.get(name).bind(freq_scale=1.0)
     p = mech.init(jax.random.key(71), num_heads=2, head_dim=d, num_features=16)
     p_old = old.init(jax.random.key(71), num_heads=2, head_dim=d, num_features=16)
+    c = math.sqrt(d) if name == "flexformer_s" else math.sqrt(2 * d)
+    assert ff.freq_scale_of(name[-1], 2, d) == c
     omegas = ff.frequencies(p)
     for key, w_old, w in zip(FREQ_KEYS[name], ff.frequencies(p_old, freq_scale=1.0), omegas):
         np.testing.assert_allclose(p_old[key], w, rtol=1e-6, atol=1e-6)  # the same omega
         np.testing.assert_array_equal(w_old, p_old[key])
-        np.testing.assert_allclose(p[key], w / math.sqrt(d), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(p[key], w / c, rtol=1e-6, atol=1e-7)
     out = _jit(name)(q, k, v, p, causal=True, chunk_size=4)
     out_old = _jit(name, freq_scale=1.0)(q, k, v, p_old, causal=True, chunk_size=4)
     _close(out, out_old, 1e-5, "same omega, either storage")
@@ -282,7 +292,7 @@ def test_frequency_parameterisation(name):
         return sum(float(jnp.linalg.norm(a - b)) for a, b in zip(after, before, strict=True))
 
     ratio = first_adam_move(mech, p, None) / first_adam_move(old, p_old, 1.0)
-    np.testing.assert_allclose(ratio, math.sqrt(d), rtol=1e-3)
+    np.testing.assert_allclose(ratio, c, rtol=1e-3)
     for bad in (0.0, -1.0, "2"):
         with pytest.raises(ValueError, match="freq_scale"):
             mech.init(jax.random.key(0), num_heads=2, head_dim=d, freq_scale=bad)

@@ -111,13 +111,20 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
             "raw": {"attention_config.qk_radius": None},
             "positive": {"attention_config.features": "positive"},
             # the paper's trigonometric pair (flexformer_n's default before the positive pair
-            # won both tasks; docs/flexformer-ablations.md)
-            "trig": {"attention_config.features": "trig"},
-            # positive features with the frequencies stored at twice the default scale
-            # (omega = 8 omega~ at d = 16: omega~ at the init scale of a width-64 Dense)
+            # won both tasks; docs/flexformer-ablations.md), at the storage it was measured
+            # with, c = sqrt(d) = 4 (the default c = sqrt(H d) = 8 turns its weights negative)
+            "trig": {"attention_config.features": "trig", "attention_config.freq_scale": 4.0},
+            # the positive pair at c = 8, the default storage at the table's H = 4, d = 16
+            # (omega~ at the init scale of a width-64 Dense), written out: arm of the
+            # measurements that made it the default
             "positive_c8": {
                 "attention_config.features": "positive",
                 "attention_config.freq_scale": 8.0,
+            },
+            # the positive pair at the storage before: c = sqrt(d) = 4
+            "positive_c4": {
+                "attention_config.features": "positive",
+                "attention_config.freq_scale": 4.0,
             },
         }.items()
     },
