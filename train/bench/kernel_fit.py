@@ -51,9 +51,16 @@ on that grid, at ``(beta, 0)``).
 
 The positive map (``features="positive"``) estimates another family: with frequencies of
 covariance ``S``, ``exp(x^T S y)`` times per-token factors ``exp((x^T S x - |x|^2) / 2)``
-that the map fixes. The target needs the key's factor ``exp(-beta |Pk|^2 / 2)``, and ``S =
-beta P`` gives the opposite sign, so no ``S`` reaches it: that fit is reported, not held to
-the trig map's bounds (docs/flexformer.md, "Kernel recovery").
+that the map fixes. The target above needs the key's factor ``exp(-beta |Pk|^2 / 2)``, and
+``S = beta P`` gives the opposite sign, so no ``S`` reaches it. ``family="positive"``
+(``--family positive``) is the same recovery question asked in the positive map's own
+family: the kernel its expectation is at ``S = beta P``, row by row::
+
+    w*_ij  proportional to  exp(beta (P q_i . P k_j + |P k_j|^2 / 2))
+
+(spectral variance ``beta`` on the subspace and 0 off it, as before; the best Gaussian
+reference searches the same family, `family_logits`). Each map's fits are held to the
+bounds in the family it estimates (docs/flexformer.md, "Kernel recovery").
 """
 
 from __future__ import annotations
@@ -205,10 +212,33 @@ def unit_draw(key, batch, seq_len, head_dim):
     return unit(jax.random.normal(kq, shape)), unit(jax.random.normal(kk, shape))
 
 
-def subspace_target(q, k, *, rank=4, beta=3.0):
-    """Target weights ``[B, H, Tq, Tk]``: ``softmax_j(-beta |P (q_i - k_j)|^2 / 2)``, ``P``
-    the projection onto the first `rank` coordinates (module docstring)."""
-    return jax.nn.softmax(-beta * subspace_distances(q, k, rank=rank)[0] / 2, axis=-1)
+FAMILIES = ("stationary", "positive")  # the kernel families of the recovery targets
+
+
+def family_logits(q, k, var_on, var_off, *, rank=4, family="stationary"):
+    """Row logits ``[B, H, Tq, Tk]`` of the exact kernel with spectral variance `var_on` on
+    the first `rank` coordinates and `var_off` on the others, in `family` (module
+    docstring): ``"stationary"``, ``-(var_on |P(q - k)|^2 + var_off |(I-P)(q - k)|^2) / 2``
+    (the trigonometric map's expectation); ``"positive"``, ``var_on (Pq . Pk + |Pk|^2 / 2) +
+    var_off ((I-P)q . (I-P)k + |(I-P)k|^2 / 2)`` (the positive map's, up to per-query
+    terms)."""
+    if family == "stationary":
+        on, off = subspace_distances(q, k, rank=rank)
+        return -(var_on * on + var_off * off) / 2
+
+    def part(qs, ks):
+        dots = jnp.einsum("bihd,bjhd->bhij", qs, ks)
+        return dots + 0.5 * jnp.sum(ks**2, -1).transpose(0, 2, 1)[:, :, None, :]
+
+    on = part(q[..., :rank], k[..., :rank])
+    return var_on * on + var_off * part(q[..., rank:], k[..., rank:])
+
+
+def subspace_target(q, k, *, rank=4, beta=3.0, family="stationary"):
+    """Target weights ``[B, H, Tq, Tk]``: by default ``softmax_j(-beta |P (q_i - k_j)|^2 /
+    2)``, ``P`` the projection onto the first `rank` coordinates; `family`'s kernel at
+    variance `beta` on the subspace and 0 off it (`family_logits`, module docstring)."""
+    return jax.nn.softmax(family_logits(q, k, beta, 0.0, rank=rank, family=family), axis=-1)
 
 
 def subspace_distances(q, k, *, rank=4):
@@ -247,15 +277,16 @@ def best_temperature_kl(p, q, k, *, t_max=12.0, num=481):
     return float(kls[i]), float(ts[i])
 
 
-def best_gaussian_kl(p, q, k, *, rank=4, on_max=8.0, off_max=2.0, num=81):
-    """``(kl, var_on, var_off)``: the best exact stationary kernel with Gaussian spectral
-    density of variance ``var_on`` on the subspace and ``var_off`` off it,
-    ``exp(-(var_on |P(q - k)|^2 + var_off |(I - P)(q - k)|^2) / 2)``, on a grid."""
-    d_on, d_off = subspace_distances(q, k, rank=rank)
+def best_gaussian_kl(p, q, k, *, rank=4, on_max=8.0, off_max=2.0, num=81, family="stationary"):
+    """``(kl, var_on, var_off)``: the best exact kernel of `family` with Gaussian spectral
+    density of variance ``var_on`` on the subspace and ``var_off`` off it (`family_logits`;
+    stationary: ``exp(-(var_on |P(q - k)|^2 + var_off |(I - P)(q - k)|^2) / 2)``), on a
+    grid."""
     ons, offs = jnp.linspace(0.0, on_max, num), jnp.linspace(0.0, off_max, num)
 
     def one(a, b):
-        return row_kl(p, jax.nn.softmax(-(a * d_on + b * d_off) / 2, axis=-1))
+        logits = family_logits(q, k, a, b, rank=rank, family=family)
+        return row_kl(p, jax.nn.softmax(logits, axis=-1))
 
     # one row of the grid at a time (the full grid's weights would take gigabytes)
     kls = jax.jit(lambda ons: lax.map(lambda a: jax.vmap(one, (None, 0))(a, offs), ons))(ons)
@@ -289,9 +320,10 @@ def fit_subspace(
     eval_batch=16,
     eval_len=64,
     references=True,
+    family="stationary",
     **config,
 ) -> dict:
-    """Fit `name`'s kernel params to `subspace_target` (module docstring, "Kernel
+    """Fit `name`'s kernel params to `subspace_target` of `family` (module docstring, "Kernel
     recovery"); `config` is bound to the mechanism (e.g. ``freq_scale``). Returns the KL,
     negative share and spectral variances at init and end, and (`references`) the two exact
     reference kernels' KL on the same evaluation draw."""
@@ -302,7 +334,8 @@ def fit_subspace(
 
     def loss(p, key):
         q, k = unit_draw(key, batch, seq_len, head_dim)
-        return row_kl(subspace_target(q, k, rank=rank, beta=beta), attention_weights(mech, q, k, p))
+        target = subspace_target(q, k, rank=rank, beta=beta, family=family)
+        return row_kl(target, attention_weights(mech, q, k, p))
 
     def step(carry, i):
         p, state = carry
@@ -315,7 +348,7 @@ def fit_subspace(
         (p, _), losses = jax.lax.scan(step, (p, opt.init(p)), jnp.arange(steps))
         return p, losses
 
-    q_e, k_e, p_e = eval_set(eval_batch, eval_len, head_dim, rank=rank, beta=beta)
+    q_e, k_e, p_e = eval_set(eval_batch, eval_len, head_dim, rank=rank, beta=beta, family=family)
 
     @jax.jit
     def evaluate(p):
@@ -345,22 +378,27 @@ def fit_subspace(
         "seconds": time.perf_counter() - t0,
     }
     if references:
-        row.update(subspace_references(eval_batch, eval_len, head_dim, rank=rank, beta=beta))
+        row.update(
+            subspace_references(eval_batch, eval_len, head_dim, rank=rank, beta=beta, family=family)
+        )
     return row
 
 
-def eval_set(eval_batch=16, eval_len=64, head_dim=16, *, rank=4, beta=3.0):
+def eval_set(eval_batch=16, eval_len=64, head_dim=16, *, rank=4, beta=3.0, family="stationary"):
     """``(q, k, target weights)`` of the fixed evaluation draw of `fit_subspace`."""
     q, k = unit_draw(jax.random.key(99), eval_batch, eval_len, head_dim)
-    return q, k, subspace_target(q, k, rank=rank, beta=beta)
+    return q, k, subspace_target(q, k, rank=rank, beta=beta, family=family)
 
 
-def subspace_references(eval_batch=16, eval_len=64, head_dim=16, *, rank=4, beta=3.0, num=81):
+def subspace_references(
+    eval_batch=16, eval_len=64, head_dim=16, *, rank=4, beta=3.0, num=81, family="stationary"
+):
     """The two exact reference kernels on `eval_set`: ``{"kl_temperature", "best_t",
-    "kl_gaussian", "gaussian_on", "gaussian_off"}`` (`num`: the Gaussian grid's size)."""
-    q, k, p = eval_set(eval_batch, eval_len, head_dim, rank=rank, beta=beta)
+    "kl_gaussian", "gaussian_on", "gaussian_off"}`` (`num`: the Gaussian grid's size; the
+    Gaussian kernels of `family`)."""
+    q, k, p = eval_set(eval_batch, eval_len, head_dim, rank=rank, beta=beta, family=family)
     out = dict(zip(("kl_temperature", "best_t"), best_temperature_kl(p, q, k), strict=True))
-    gauss = best_gaussian_kl(p, q, k, rank=rank, num=num)
+    gauss = best_gaussian_kl(p, q, k, rank=rank, num=num, family=family)
     out.update(zip(("kl_gaussian", "gaussian_on", "gaussian_off"), gauss, strict=True))
     return out
 
@@ -368,8 +406,13 @@ def subspace_references(eval_batch=16, eval_len=64, head_dim=16, *, rank=4, beta
 def subspace_table(rows, config) -> str:
     """Markdown table of `fit_subspace` rows."""
     c = config
+    target = (
+        f"exp({c['beta']} (Pq . Pk + |Pk|^2 / 2)) (the positive family)"
+        if c.get("family") == "positive"
+        else f"exp(-{c['beta']} |P(q - k)|^2 / 2)"
+    )
     lines = [
-        f"Kernel recovery: target exp(-{c['beta']} |P(q - k)|^2 / 2), P onto {c['rank']} of d ="
+        f"Kernel recovery: target {target}, P onto {c['rank']} of d ="
         f" {c['head_dim']} coordinates, unit q, k; {c['features']} features, M ="
         f" {c['num_features']}, {c['steps']} Adam"
         f" steps (lr {c['lr']}), batch {c['batch']} x {c['seq_len']} fresh tokens per step;"
@@ -396,9 +439,8 @@ _FIT_DEFAULTS = {n: p.default for n, p in inspect.signature(fit_subspace).parame
 
 def run_subspace(mechanisms=SUBSPACE_MECHANISMS, *, log=None, **kw) -> dict:
     """`fit_subspace` for each of `mechanisms` (same seed and data); `kw` as its keywords."""
-    refs = subspace_references(
-        **{k: kw[k] for k in ("eval_batch", "eval_len", "head_dim", "rank", "beta") if k in kw}
-    )
+    keys = ("eval_batch", "eval_len", "head_dim", "rank", "beta", "family")
+    refs = subspace_references(**{k: kw[k] for k in keys if k in kw})
     rows = []
     for name in mechanisms:
         row = {**fit_subspace(name, references=False, **kw), **refs}
@@ -408,7 +450,10 @@ def run_subspace(mechanisms=SUBSPACE_MECHANISMS, *, log=None, **kw) -> dict:
                 f"kernel_fit subspace {name}: KL {row['kl_init']:.4f} -> {row['kl_end']:.4f},"
                 f" var on {row['var_on']:.3g} off {row['var_off']:.3g}"
             )
-    shown = ("steps", "batch", "seq_len", "head_dim", "rank", "beta", "num_features", "lr", "seed")
+    shown = (
+        "steps", "batch", "seq_len", "head_dim", "rank", "beta", "num_features", "lr", "seed",
+        "family",
+    )  # fmt: skip
     config = {k: kw.get(k, _FIT_DEFAULTS[k]) for k in shown}
     # the feature kind the fits ran with (not given: each mechanism's own default)
     config["features"] = kw.get("features", "default")
@@ -462,6 +507,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="trig",
         help="subspace: the flexformers' spectral feature map",
     )
+    p.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default="stationary",
+        help="subspace: the target's kernel family (positive: the positive map's own, module "
+        "docstring)",
+    )
 
 
 def main_from_args(args: argparse.Namespace) -> dict:
@@ -470,7 +522,14 @@ def main_from_args(args: argparse.Namespace) -> dict:
     if args.target == "subspace":
         steps = 1500 if args.steps is None else args.steps
         results = [
-            run_subspace(steps=steps, seed=s, log=log, lr=args.lr, features=args.features)
+            run_subspace(
+                steps=steps,
+                seed=s,
+                log=log,
+                lr=args.lr,
+                features=args.features,
+                family=args.family,
+            )
             for s in range(args.seeds)
         ]
         result = {**results[0], "rows": [row for r in results for row in r["rows"]]}
