@@ -1,7 +1,7 @@
 """Kernel recovery (`train.bench.kernel_fit.fit_subspace`): the learnable kernels of
 flexformer_s and flexformer_n fitted to ``exp(3 cos)`` restricted to a 4-dimensional
 subspace of ``d = 16``, i.e. the stationary ``exp(-3 |P(q - k)|^2 / 2)`` (unit q, k, M = 32,
-Adam lr 1e-2, fresh draws every step, one ``lax.scan``; seed 0, 1500 steps;
+Adam lr 1e-2 cosine-decayed, fresh draws every step, one ``lax.scan``; seed 0, 1500 steps;
 docs/flexformer.md, "Kernel recovery", has seeds 0-2).
 
 With the default (trigonometric) map each passes when the KL falls at least 10x from init
@@ -11,8 +11,9 @@ than off it and near the target's ``beta = 3`` there. The positive map estimates
 kernel family (FAVOR+'s ``exp(x^T S y)`` with per-token factors the map fixes, of the wrong
 sign for this target), so its fits are held to the same question in its own family
 (``family="positive"``, the kernel it estimates at ``S = beta P``): the same bounds, no
-negative weight at all, and an on / off variance ratio of at least 20 (measured, seeds 0-2:
-82-92 for flexformer_s, 27-31 for flexformer_n's pair).
+negative weight at all, with the on / off variance ratio of the pair's mean frequencies for
+flexformer_n (its kernel's frequencies: `kernel_fit.spectral_variance`; measured, seeds 0-2:
+137-159, and 55-74 over both matrices of the pair; flexformer_s 133-177).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def test_positive_features_recover_their_familys_kernel(name):
     assert r["kl_end"] <= r["kl_init"] / 10
     assert r["kl_end"] < r["kl_temperature"] < r["kl_init"]
     assert r["neg_end"] == 0.0
-    assert r["var_ratio"] >= 20
+    assert r["var_ratio_mean"] >= 100 and r["var_ratio"] >= 40
     assert 0.5 * BETA < r["var_on"] < 1.5 * BETA
 
 
@@ -86,7 +87,8 @@ def test_subspace_command_runs_every_seed_and_tabulates(tmp_path, monkeypatch, c
     def fake_fit(name, *, references, steps, seed, lr, features, family):
         fits.append((name, steps, seed, lr, references, features, family))
         return {"mechanism": name, "seed": seed, "kl_init": 0.09, "kl_end": 0.01 * (seed + 1),
-                "neg_end": 0.0, "var_on": 3.0, "var_off": 0.3, "var_ratio": 10.0}  # fmt: skip
+                "neg_end": 0.0, "var_on": 3.0, "var_off": 0.3, "var_ratio": 10.0,
+                "var_ratio_mean": 12.0}  # fmt: skip
 
     refs = {"kl_temperature": 0.05, "best_t": 2.5, "kl_gaussian": 0.018,
             "gaussian_on": 2.4, "gaussian_off": 0.25}  # fmt: skip
@@ -107,7 +109,7 @@ def test_subspace_command_runs_every_seed_and_tabulates(tmp_path, monkeypatch, c
     assert result["config"]["batch"] == 8 and result["config"]["beta"] == 3.0  # the defaults
     assert json.loads(out.read_text()) == result
     table = capsys.readouterr().out
-    assert "positive features, M = 32, 7 Adam steps (lr 0.02)" in table
+    assert "positive features, M = 32, 7 Adam steps (lr 0.02, cosine-decayed)" in table
     assert "target exp(3.0 (Pq . Pk + |Pk|^2 / 2)) (the positive family)" in table
     assert f"| {names[0]} | 1 | 0.0900 | 0.0200 | 4.5 | 0.000% | 3 | 0.3 | 10 |" in table
-    assert "0.0500 (t = 2.50) | 0.0180 (2.40, 0.250) |" in table
+    assert "0.0500 (t = 2.50) | 0.0180 (2.40, 0.250) | 12 |" in table
