@@ -50,6 +50,8 @@ def test_references_find_the_target_kernel(family):
     r = _references(family)
     assert r["kl_gaussian"] < 1e-6 and (r["gaussian_on"], r["gaussian_off"]) == (BETA, 0.0)
     assert r["kl_temperature"] > 0.03  # no temperature of the full-space kernel gets there
+    with pytest.raises(ValueError, match="family must be one of"):
+        kernel_fit.subspace_target(None, None, family=family[:3])
 
 
 @pytest.mark.parametrize("name", kernel_fit.SUBSPACE_MECHANISMS)

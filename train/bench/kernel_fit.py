@@ -224,6 +224,8 @@ def family_logits(q, k, var_on, var_off, *, rank=4, family="stationary"):
     (the trigonometric map's expectation); ``"positive"``, ``var_on (Pq . Pk + |Pk|^2 / 2) +
     var_off ((I-P)q . (I-P)k + |(I-P)k|^2 / 2)`` (the positive map's, up to per-query
     terms)."""
+    if family not in FAMILIES:
+        raise ValueError(f"kernel_fit: family must be one of {FAMILIES}, got {family!r}")
     if family == "stationary":
         on, off = subspace_distances(q, k, rank=rank)
         return -(var_on * on + var_off * off) / 2
